@@ -1,0 +1,46 @@
+"""gradcomm.comm: one small collective interface, implemented by pluggable backends.
+
+See :class:`Communicator` for the interface, :func:`init` to build one, :func:`register_backend` to
+add a backend, and :func:`detect_launch` for launcher detection.
+"""
+
+from .communicator import Communicator
+from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
+from .launcher import LaunchInfo, Launcher, detect_launch
+from .registry import (
+    BackendStatus,
+    available_backends,
+    check_backend,
+    create_communicator,
+    known_backends,
+    register_backend,
+)
+from .selection import DEFAULT_TIMEOUT, BackendChoice, init, resolve_timeout, select_backend
+from .types import ReduceOp, Support, SupportLevel
+from .work import CompletedWork, Work
+
+__all__ = [
+    "Communicator",
+    "Work",
+    "CompletedWork",
+    "ReduceOp",
+    "Support",
+    "SupportLevel",
+    "CollectiveTimeoutError",
+    "BackendUnavailableError",
+    "SlowPathWarning",
+    "Launcher",
+    "LaunchInfo",
+    "detect_launch",
+    "BackendStatus",
+    "available_backends",
+    "known_backends",
+    "check_backend",
+    "create_communicator",
+    "register_backend",
+    "BackendChoice",
+    "select_backend",
+    "resolve_timeout",
+    "init",
+    "DEFAULT_TIMEOUT",
+]

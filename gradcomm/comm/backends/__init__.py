@@ -1,0 +1,1 @@
+"""Built-in backends. Each module is imported lazily by :mod:`gradcomm.comm.registry`."""

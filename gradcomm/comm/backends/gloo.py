@@ -1,0 +1,72 @@
+"""The gloo backend: CPU tensors over torch.distributed's gloo process group.
+
+Capability table (CPU):
+
+============================  ==============  ==========================================
+dtype                         support         note
+============================  ==============  ==========================================
+float32, float64              native
+int8, uint8, int32, int64     native
+float16, bfloat16             emulated-slow   gloo reduces 16-bit floats element by element
+                                              with conversions; SlowPathWarning
+ReduceOp.AVG                  emulated        gloo has no average: SUM, then divide
+other dtypes, CUDA tensors    unsupported     TypeError / ValueError
+============================  ==============  ==========================================
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ..launcher import LaunchInfo
+from ..types import Support, SupportLevel
+from .torch_dist import TorchDistCommunicator
+
+__all__ = ["GlooCommunicator"]
+
+_NATIVE = {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
+_SLOW = {torch.float16, torch.bfloat16}
+
+
+class GlooCommunicator(TorchDistCommunicator):
+    """Collectives on CPU tensors through a gloo process group of gradcomm's own.
+
+    Args:
+        launch: rank, world size and local rank (see :func:`gradcomm.comm.detect_launch`).
+        timeout: seconds per collective (and for the rendezvous); ``None``: a day.
+
+    Raises:
+        RuntimeError: torch was built without gloo, or the rendezvous failed.
+    """
+
+    backend = "gloo"
+
+    def __init__(self, launch: LaunchInfo, *, timeout: float | None = 300.0) -> None:
+        if not dist.is_available() or not dist.is_gloo_available():
+            raise RuntimeError("this torch build has no gloo support (torch.distributed.is_gloo_available() is False)")
+        super().__init__(launch, device=torch.device("cpu"), timeout=timeout)
+
+    def _make_group(
+        self, store: dist.Store, launch: LaunchInfo, timeout: float | None
+    ) -> dist.ProcessGroup:
+        seconds = 86400 if timeout is None else timeout
+        return dist.ProcessGroupGloo(
+            store, launch.rank, launch.world_size, datetime.timedelta(seconds=seconds)
+        )
+
+    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+        dev = self.device if device is None else torch.device(device)
+        if dev.type != "cpu":
+            return Support(SupportLevel.UNSUPPORTED, f"the gloo backend here reduces CPU tensors, not {dev.type}")
+        if dtype in _NATIVE:
+            return Support(SupportLevel.NATIVE, "", dtype)
+        if dtype in _SLOW:
+            return Support(
+                SupportLevel.EMULATED_SLOW,
+                f"gloo reduces {dtype} on the CPU element by element with conversions (slow)",
+                dtype,
+            )
+        return Support(SupportLevel.UNSUPPORTED, f"the gloo backend cannot reduce {dtype}")

@@ -1,0 +1,176 @@
+"""An in-process backend: ``world_size`` ranks as threads of one process, for fast logic tests.
+
+Not for training: it exists so the gradient hook manager's logic can be tested without spawning
+processes (as PyTorch's own thread-based distributed tests do). Each rank has one worker thread that
+runs its collectives in the order they were issued, so a mismatch between ranks shows as a timeout,
+as it would on a real transport. Reductions are computed in rank order on every rank, so results are
+bit-identical across ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from ..communicator import Communicator
+from ..types import ReduceOp, Support, SupportLevel
+from ..work import Work
+
+__all__ = ["ThreadGroup", "ThreadCommunicator"]
+
+_REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+}
+
+
+class _FutureWork(Work):
+    def __init__(self, future: Future[None], description: str, timeout: float | None) -> None:
+        super().__init__(description, timeout)
+        self._future = future
+
+    def _wait(self, timeout: float | None) -> None:
+        try:
+            self._future.result(timeout)
+        except FutureTimeout as exc:
+            raise TimeoutError(str(exc)) from exc
+
+    def _test(self) -> bool:
+        return self._future.done()
+
+
+class ThreadGroup:
+    """Shared state of ``world_size`` in-process ranks.
+
+    Args:
+        world_size: number of ranks (threads).
+        timeout: seconds a collective waits for the other ranks before failing.
+
+    Use :meth:`communicator` from each rank's thread, or run a function on every rank with
+    :meth:`run`.
+    """
+
+    def __init__(self, world_size: int, timeout: float | None = 30.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self._barrier = threading.Barrier(world_size)
+        self._slots: list[torch.Tensor | None] = [None] * world_size
+        #: number of collectives each rank issued (for tests: "no collective at world_size 1").
+        self.calls = [0] * world_size
+
+    def communicator(self, rank: int) -> ThreadCommunicator:
+        """Return rank ``rank``'s communicator."""
+        return ThreadCommunicator(self, rank)
+
+    def run(self, fn: Callable[[ThreadCommunicator], object]) -> list[object]:
+        """Call ``fn(comm)`` on every rank in its own thread; return the results in rank order.
+
+        Raises:
+            RuntimeError: some rank raised; the first error (by rank) is chained.
+        """
+        results: list[object] = [None] * self.world_size
+        errors: list[BaseException | None] = [None] * self.world_size
+
+        def body(rank: int) -> None:
+            comm = self.communicator(rank)
+            try:
+                results[rank] = fn(comm)
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+                errors[rank] = exc
+                self._barrier.abort()  # wake the other ranks instead of leaving them waiting
+            finally:
+                comm.close()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for rank, err in enumerate(errors):
+            if err is not None:
+                raise RuntimeError(f"rank {rank} raised {type(err).__name__}: {err}") from err
+        return results
+
+    # One collective, run by every rank's worker thread in the same order.
+    def _exchange(self, rank: int, contribution: torch.Tensor) -> list[torch.Tensor]:
+        self._slots[rank] = contribution
+        self._barrier.wait(self.timeout)
+        gathered = [t for t in self._slots if t is not None]
+        self._barrier.wait(self.timeout)  # nobody overwrites a slot before everyone has read
+        self.calls[rank] += 1
+        return gathered
+
+
+class ThreadCommunicator(Communicator):
+    """Rank ``rank`` of a :class:`ThreadGroup`; CPU tensors, every dtype, every op."""
+
+    backend = "threads"
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        super().__init__(
+            rank=rank,
+            world_size=group.world_size,
+            local_rank=rank,
+            device="cpu",
+            timeout=group.timeout,
+        )
+        self.group = group
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"gradcomm-thread-rank{rank}")
+
+    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+        dev = self.device if device is None else torch.device(device)
+        if dev.type != "cpu":
+            return Support(SupportLevel.UNSUPPORTED, "the threads backend is CPU-only")
+        return Support(SupportLevel.NATIVE, "", dtype)
+
+    def _submit(self, fn: Callable[[], None], description: str) -> Work:
+        def guarded() -> None:
+            try:
+                fn()
+            except threading.BrokenBarrierError as exc:
+                raise TimeoutError(f"{description}: another rank did not arrive") from exc
+
+        return _FutureWork(self._worker.submit(guarded), description, self.timeout)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
+        reduce = _REDUCERS[op]
+
+        def run() -> None:
+            parts = self.group._exchange(self.rank, tensor.clone())
+            acc = parts[0].clone()
+            for part in parts[1:]:
+                acc = reduce(acc, part)
+            tensor.copy_(acc)
+
+        return self._submit(run, description)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
+        def run() -> None:
+            parts = self.group._exchange(self.rank, tensor.clone())
+            tensor.copy_(parts[src])
+
+        return self._submit(run, description)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
+        def run() -> None:
+            parts = self.group._exchange(self.rank, input.clone())
+            output.copy_(torch.cat(parts))
+
+        return self._submit(run, description)
+
+    def _barrier(self, description: str) -> Work:
+        def run() -> None:
+            self.group._exchange(self.rank, torch.zeros(0))
+
+        return self._submit(run, description)
+
+    def _close(self) -> None:
+        self._worker.shutdown(wait=False)

@@ -1,0 +1,123 @@
+"""Shared code of the backends built on torch.distributed process groups (gloo, nccl).
+
+Each communicator owns a process group of its own, built on a store from
+:mod:`gradcomm.comm.rendezvous`; it never creates or changes the user's default process group, so a
+script may use ``torch.distributed`` beside gradcomm.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ..communicator import Communicator
+from ..launcher import LaunchInfo
+from ..rendezvous import create_store
+from ..types import ReduceOp
+from ..work import Work
+
+__all__ = ["TorchWork", "TorchDistCommunicator"]
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+}
+
+
+def _reduce_options(op: ReduceOp) -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _TORCH_OPS[op]
+    return opts
+
+
+class TorchWork(Work):
+    """Wraps a :class:`torch.distributed.Work`; its timeout errors become TimeoutError."""
+
+    def __init__(self, work: dist.Work, description: str, timeout: float | None) -> None:
+        super().__init__(description, timeout)
+        self._work = work
+
+    def _wait(self, timeout: float | None) -> None:
+        try:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:  # torch reports timeouts as RuntimeError/DistBackendError
+            text = str(exc).lower()
+            if "timed out" in text or "timeout" in text:
+                raise TimeoutError(str(exc)) from exc
+            raise RuntimeError(f"{self.description} failed: {exc}") from exc
+
+    def _test(self) -> bool:
+        return bool(self._work.is_completed())
+
+
+class TorchDistCommunicator(Communicator):
+    """A communicator over one torch.distributed process group (subclassed per backend).
+
+    Subclasses implement :meth:`_make_group` and :meth:`supports`.
+    """
+
+    def __init__(self, launch: LaunchInfo, *, device: torch.device, timeout: float | None) -> None:
+        super().__init__(
+            rank=launch.rank,
+            world_size=launch.world_size,
+            local_rank=launch.local_rank,
+            device=device,
+            timeout=timeout,
+        )
+        self.launch = launch
+        self._group: dist.ProcessGroup | None = None
+        if launch.world_size > 1:
+            store = create_store(launch, timeout, self.backend)
+            self._group = self._make_group(store, launch, timeout)
+
+    @abc.abstractmethod
+    def _make_group(
+        self, store: dist.Store, launch: LaunchInfo, timeout: float | None
+    ) -> dist.ProcessGroup:
+        """Build this backend's process group over ``store``."""
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The underlying process group (None when world_size is 1)."""
+        return self._group
+
+    def _wrap(self, work: dist.Work | None, description: str) -> Work:
+        if work is None:  # pragma: no cover - async_op=True always returns a Work
+            raise RuntimeError(f"{description}: torch.distributed returned no Work")
+        return TorchWork(work, description, self.timeout)
+
+    # The process group's own methods: they need no registration in torch's default world
+    # (the functional ``dist.broadcast`` refuses unregistered groups).
+    def _pg(self) -> dist.ProcessGroup:
+        if self._group is None:  # pragma: no cover - world_size 1 never reaches a collective
+            raise RuntimeError(f"{self.backend} communicator has no process group")
+        return self._group
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
+        return self._wrap(self._pg().allreduce([tensor], _reduce_options(op)), description)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self._wrap(self._pg().broadcast([tensor], opts), description)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
+        chunks = list(output.chunk(self.world_size))
+        return self._wrap(self._pg().allgather([chunks], [input]), description)
+
+    def _barrier(self, description: str) -> Work:
+        # An all-reduce of one element: the same on every process group type.
+        token = torch.zeros(1, device=self.device)
+        return self._wrap(self._pg().allreduce([token], _reduce_options(ReduceOp.SUM)), description)
+
+    def _close(self) -> None:
+        self._group = None

@@ -1,0 +1,297 @@
+"""The abstract collective interface every backend implements.
+
+Public methods (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``) validate their arguments
+on every rank before any transport call, so bad input raises the same error everywhere instead of
+hanging. They then handle what is common to all backends -- world_size 1 (no collective at all),
+non-contiguous tensors (copy-in/copy-out), ``ReduceOp.AVG`` on backends without a native average
+(SUM, then divide) -- and hand a contiguous tensor to one abstract method per collective, in the
+manner of ``cupyx.distributed``'s communicator base class.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from typing import ClassVar
+
+import torch
+
+from .types import ReduceOp, Support
+from .work import CompletedWork, Work
+
+__all__ = ["Communicator"]
+
+
+class Communicator(abc.ABC):
+    """A group of ``world_size`` processes that run collectives on tensors of one device type.
+
+    All collectives work in place on the given tensor and preserve its dtype and shape. Each
+    returns a :class:`~gradcomm.comm.Work`; with ``async_op=False`` (default) it is already
+    complete. Every rank must call the same collectives in the same order with tensors of the same
+    numel and dtype.
+
+    Args:
+        rank: this process's index, ``0 <= rank < world_size``.
+        world_size: number of processes.
+        local_rank: index among the processes on this host.
+        device: device the collectives' tensors live on (``cpu`` or ``cuda:<i>``).
+        timeout: seconds a collective may take before :meth:`Work.wait` raises
+            :class:`~gradcomm.CollectiveTimeoutError`; ``None`` waits forever.
+
+    Raises:
+        ValueError: rank, world_size or timeout out of range.
+    """
+
+    #: Name of the backend, as given to :func:`gradcomm.init` (``"gloo"``, ``"mpi"``, ...).
+    backend: ClassVar[str] = "abstract"
+    #: Reduction ops the transport performs itself; others are emulated by the base class.
+    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
+        {ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
+    )
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device | str,
+        timeout: float | None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
+        self._rank = rank
+        self._world_size = world_size
+        self._local_rank = local_rank
+        self._device = torch.device(device)
+        self._timeout = timeout
+        self._closed = False
+        self._seq = itertools.count()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        """Index of this process in the group, ``0 <= rank < world_size``."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the group."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Index of this process among those on the same host."""
+        return self._local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the tensors this communicator reduces."""
+        return self._device
+
+    @property
+    def timeout(self) -> float | None:
+        """Default timeout of every collective, in seconds (``None``: wait forever)."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    # ------------------------------------------------------------------ capability
+    @abc.abstractmethod
+    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+        """Say how this backend reduces tensors of ``dtype`` on ``device`` (default: its device)."""
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Work:
+        """Reduce ``tensor`` element-wise across all ranks, in place; every rank gets the result.
+
+        Args:
+            tensor: any shape, on this communicator's device type; non-contiguous tensors are
+                handled by a contiguous copy that is written back on completion.
+            op: a :class:`ReduceOp` or its name; ``AVG`` needs a floating-point dtype.
+            async_op: return at once with a pending :class:`Work`.
+
+        Returns:
+            A :class:`Work`; ``tensor`` holds the result after ``Work.wait()``.
+
+        Raises:
+            TypeError: not a tensor, sparse, unsupported dtype, or ``AVG`` on a non-float dtype.
+            ValueError: unknown op name, or a tensor on the wrong device type.
+            RuntimeError: the communicator is closed.
+        """
+        op = ReduceOp.coerce(op)
+        self._check_open()
+        self._check_tensor(tensor, "all_reduce")
+        if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(
+                f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; "
+                "use ReduceOp.SUM and divide, or cast first"
+            )
+        if self._world_size == 1 or tensor.numel() == 0:
+            return CompletedWork()
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        desc = self._describe("all_reduce", buf, op.name)
+        if op in self.native_reduce_ops:
+            work = self._all_reduce(buf, op, desc)
+        elif op is ReduceOp.AVG:
+            work = self._all_reduce(buf, ReduceOp.SUM, desc)
+            world_size = self._world_size
+            work.add_callback(lambda: buf.div_(world_size))
+        else:  # pragma: no cover - a backend that lacks SUM is a programming error
+            raise TypeError(f"{self.backend} backend does not support {op}")
+        if buf is not tensor:
+            work.add_callback(lambda: tensor.copy_(buf))
+        return self._finish(work, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work:
+        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank, in place.
+
+        Args:
+            tensor: same shape and dtype on every rank.
+            src: rank that sends, ``0 <= src < world_size``.
+            async_op: return at once with a pending :class:`Work`.
+
+        Raises:
+            TypeError: not a tensor or sparse. ValueError: ``src`` out of range or wrong device.
+            RuntimeError: the communicator is closed.
+        """
+        self._check_open()
+        self._check_tensor(tensor, "broadcast", reduction=False)
+        if isinstance(src, bool) or not isinstance(src, int):
+            raise TypeError(f"src must be an int rank, got {type(src).__name__}")
+        if not 0 <= src < self._world_size:
+            raise ValueError(f"src must be in [0, {self._world_size}), got {src}")
+        if self._world_size == 1 or tensor.numel() == 0:
+            return CompletedWork()
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = self._broadcast(buf, src, self._describe("broadcast", buf, f"src={src}"))
+        if buf is not tensor:
+            work.add_callback(lambda: tensor.copy_(buf))
+        return self._finish(work, async_op)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """Gather every rank's ``input`` into ``output``, concatenated in rank order.
+
+        Semantics of :func:`torch.distributed.all_gather_into_tensor`: ``output`` holds
+        ``world_size * input.numel()`` elements of ``input``'s dtype; rank ``r``'s data lands in
+        ``output.view(-1)[r * n:(r + 1) * n]`` with ``n = input.numel()``.
+
+        Raises:
+            TypeError: not tensors, or dtypes differ. ValueError: ``output.numel()`` is not
+            ``world_size * input.numel()``, or wrong device. RuntimeError: closed.
+        """
+        self._check_open()
+        self._check_tensor(input, "all_gather", reduction=False)
+        self._check_tensor(output, "all_gather", reduction=False)
+        if output.dtype != input.dtype:
+            raise TypeError(f"all_gather output dtype {output.dtype} != input dtype {input.dtype}")
+        if output.numel() != self._world_size * input.numel():
+            raise ValueError(
+                f"all_gather output must hold world_size * input.numel() = "
+                f"{self._world_size} * {input.numel()} elements, got {output.numel()}"
+            )
+        if self._world_size == 1 or input.numel() == 0:
+            output.copy_(input.reshape(output.shape))
+            return CompletedWork()
+        src = input if input.is_contiguous() else input.contiguous()
+        out = output if output.is_contiguous() else output.contiguous()
+        work = self._all_gather(out.view(-1), src.view(-1), self._describe("all_gather", src, ""))
+        if out is not output:
+            work.add_callback(lambda: output.copy_(out))
+        return self._finish(work, async_op)
+
+    def barrier(self) -> None:
+        """Block until every rank has called :meth:`barrier` (within the timeout).
+
+        Raises:
+            CollectiveTimeoutError: not every rank arrived within the timeout.
+            RuntimeError: the communicator is closed.
+        """
+        self._check_open()
+        if self._world_size == 1:
+            return
+        self._barrier(f"barrier #{next(self._seq)} ({self.backend})").wait()
+
+    def close(self) -> None:
+        """Release the transport's resources; later collectives raise RuntimeError. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} backend={self.backend} rank={self._rank}/{self._world_size} "
+            f"local_rank={self._local_rank} device={self._device}>"
+        )
+
+    # ------------------------------------------------------------------ backend hooks
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
+        """Start an all-reduce of a contiguous, non-empty tensor with an op in native_reduce_ops."""
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
+        """Start a broadcast of a contiguous, non-empty tensor."""
+
+    @abc.abstractmethod
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
+        """Start an all-gather of contiguous 1-D tensors (``output`` is world_size times longer)."""
+
+    @abc.abstractmethod
+    def _barrier(self, description: str) -> Work:
+        """Start a barrier."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Release the transport (called once)."""
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.backend} communicator is closed")
+
+    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{opname} expects a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout is not torch.strided:
+            raise TypeError(f"{opname} expects a dense (strided) tensor, got layout {tensor.layout}")
+        if tensor.device.type != self._device.type:
+            raise ValueError(
+                f"{opname}: tensor is on {tensor.device}, but this {self.backend} communicator "
+                f"works on {self._device}"
+            )
+        support = self.supports(tensor.dtype, tensor.device)
+        if reduction and not support.is_supported:
+            raise TypeError(f"{opname}: {support.reason}")
+
+    def _describe(self, opname: str, tensor: torch.Tensor, extra: str) -> str:
+        detail = f" {extra}" if extra else ""
+        return (
+            f"{opname} #{next(self._seq)}{detail} of {tensor.numel()} {tensor.dtype} on "
+            f"{tensor.device} ({self.backend}, rank {self._rank}/{self._world_size})"
+        )
+
+    @staticmethod
+    def _finish(work: Work, async_op: bool) -> Work:
+        if not async_op:
+            work.wait()
+        return work

@@ -1,0 +1,27 @@
+"""Exceptions and warnings raised by gradcomm's communication layer."""
+
+from __future__ import annotations
+
+__all__ = ["CollectiveTimeoutError", "SlowPathWarning", "BackendUnavailableError"]
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the communicator's timeout.
+
+    Usually another rank died, stopped calling collectives, or issued a different sequence of them.
+    The message names the operation (and the bucket, when raised by the gradient hook manager).
+    """
+
+
+class BackendUnavailableError(RuntimeError):
+    """A known backend was selected, but this machine cannot run it (no CUDA device, no NCCL).
+
+    A missing Python package raises :class:`ImportError` instead, naming the pip command.
+    """
+
+
+class SlowPathWarning(UserWarning):
+    """A collective took a slow path (e.g. fp16 over gloo or MPI); filter it with :mod:`warnings`.
+
+    Issued once per (backend, dtype, device).
+    """

@@ -1,0 +1,168 @@
+"""Launcher detection: rank, world size and local rank from the environment a launcher set.
+
+No MPI library is imported here (importing mpi4py initialises MPI), so detection is cheap and safe
+in any process. Precedence, first match wins: explicit arguments > torchrun > MPI launchers (Open MPI,
+MPICH/Hydra and Intel MPI, PMIx, MVAPICH2) > SLURM > a single process.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["Launcher", "LaunchInfo", "detect_launch"]
+
+
+class Launcher(enum.Enum):
+    """Who started this process (and so which variables gave its rank)."""
+
+    EXPLICIT = "explicit"
+    TORCHRUN = "torchrun"
+    OPEN_MPI = "open-mpi"
+    MPICH = "mpich"  # MPICH's Hydra and Intel MPI (PMI_RANK / PMI_SIZE)
+    PMIX = "pmix"
+    MVAPICH2 = "mvapich2"
+    SLURM = "slurm"
+    SINGLE = "single"
+
+    @property
+    def is_mpi(self) -> bool:
+        """True for mpirun/mpiexec launchers, whose ranks can rendezvous through MPI itself."""
+        return self in (Launcher.OPEN_MPI, Launcher.MPICH, Launcher.PMIX, Launcher.MVAPICH2)
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global index, ``0 <= rank < world_size``.
+        world_size: number of processes in the job.
+        local_rank: index among the processes on this host.
+        local_world_size: number of processes on this host.
+        launcher: which launcher's variables these came from.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    launcher: Launcher
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"local_rank must be in [0, {self.local_world_size}), got {self.local_rank}"
+            )
+
+
+# (launcher, rank var, size var, local rank vars, local size vars), in precedence order.
+_LAUNCHER_VARS: tuple[tuple[Launcher, str, tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = (
+    (Launcher.TORCHRUN, "RANK", ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
+    (
+        Launcher.OPEN_MPI,
+        "OMPI_COMM_WORLD_RANK",
+        ("OMPI_COMM_WORLD_SIZE",),
+        ("OMPI_COMM_WORLD_LOCAL_RANK",),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+    ),
+    (Launcher.MPICH, "PMI_RANK", ("PMI_SIZE",), ("MPI_LOCALRANKID",), ("MPI_LOCALNRANKS",)),
+    (
+        Launcher.PMIX,
+        "PMIX_RANK",
+        ("PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"),
+        ("PMIX_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"),
+        ("PMIX_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"),
+    ),
+    (
+        Launcher.MVAPICH2,
+        "MV2_COMM_WORLD_RANK",
+        ("MV2_COMM_WORLD_SIZE",),
+        ("MV2_COMM_WORLD_LOCAL_RANK",),
+        ("MV2_COMM_WORLD_LOCAL_SIZE",),
+    ),
+    (
+        Launcher.SLURM,
+        "SLURM_PROCID",
+        ("SLURM_NTASKS",),
+        ("SLURM_LOCALID",),
+        ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+    ),
+)
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    # SLURM_TASKS_PER_NODE looks like "2(x3),1": the first field is this job's usual count.
+    head = raw.split(",")[0].split("(")[0].strip()
+    try:
+        return int(head)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if env.get(name, "").strip():
+            return _int_var(env, name)
+    return None
+
+
+def detect_launch(
+    env: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+) -> LaunchInfo:
+    """Read rank, world size and local rank from the launcher's environment variables.
+
+    Args:
+        env: the environment to read (default: :data:`os.environ`).
+        rank, world_size: explicit values; given together they win over every variable.
+        local_rank, local_world_size: explicit local values (default: from the launcher, else
+            ``rank`` and ``world_size``, i.e. all processes on one host).
+
+    Returns:
+        A :class:`LaunchInfo`. A launcher that gives no local rank is read as all ranks on one host.
+
+    Raises:
+        ValueError: only one of ``rank``/``world_size`` given, a variable that is not an integer, or
+            values out of range (e.g. ``RANK`` >= ``WORLD_SIZE``).
+    """
+    env = os.environ if env is None else env
+    if (rank is None) != (world_size is None):
+        raise ValueError("give rank and world_size together, or neither")
+    if rank is not None and world_size is not None:
+        lr = rank if local_rank is None else local_rank
+        lws = (world_size if local_world_size is None else local_world_size)
+        return LaunchInfo(rank, world_size, lr, lws, Launcher.EXPLICIT)
+
+    for launcher, rank_var, size_vars, local_vars, local_size_vars in _LAUNCHER_VARS:
+        if not env.get(rank_var, "").strip():
+            continue
+        found_rank = _int_var(env, rank_var)
+        size = _first(env, size_vars)
+        if size is None:
+            raise ValueError(
+                f"{rank_var} is set but none of {', '.join(size_vars)} is; cannot tell the world size"
+            )
+        lr = _first(env, local_vars) if local_rank is None else local_rank
+        lws = _first(env, local_size_vars) if local_world_size is None else local_world_size
+        if lr is None or lws is None:
+            lr, lws = found_rank, size
+        return LaunchInfo(found_rank, size, lr, lws, launcher)
+
+    return LaunchInfo(
+        0, 1, 0 if local_rank is None else local_rank,
+        1 if local_world_size is None else local_world_size, Launcher.SINGLE,
+    )

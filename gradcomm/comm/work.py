@@ -1,0 +1,109 @@
+"""Handles of asynchronous collectives.
+
+Every collective returns a :class:`Work`, even a synchronous one (then already completed), so callers
+never branch on sync versus async. Backends subclass :class:`Work` and implement ``_wait`` and
+``_test``; the base class adds the timeout, the error message naming the operation, and completion
+callbacks (copy-back of a non-contiguous tensor, the division of an emulated ``AVG``), which run
+exactly once, in the order they were added, on the thread that observes completion.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+from .errors import CollectiveTimeoutError
+
+__all__ = ["Work", "CompletedWork"]
+
+
+class Work(abc.ABC):
+    """Handle of one collective in flight.
+
+    Args:
+        description: what the collective is, for error messages (e.g. ``"all_reduce of 1024
+            float32 on cpu"``).
+        timeout: default timeout of :meth:`wait` in seconds; ``None`` waits forever.
+    """
+
+    def __init__(self, description: str, timeout: float | None) -> None:
+        self.description = description
+        self.timeout = timeout
+        self._done = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    # Backends implement these two.
+    @abc.abstractmethod
+    def _wait(self, timeout: float | None) -> None:
+        """Block until the transport is done; raise :class:`TimeoutError` after ``timeout`` s."""
+
+    @abc.abstractmethod
+    def _test(self) -> bool:
+        """Return True when the transport is done, without blocking."""
+
+    def add_callback(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once, after the transport completes and before :meth:`wait` returns.
+
+        Raises:
+            RuntimeError: the work has already completed.
+        """
+        if self._done:
+            raise RuntimeError("cannot add a callback to a completed Work")
+        self._callbacks.append(fn)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the collective is complete and its result is in the tensor.
+
+        Args:
+            timeout: seconds to wait; ``None`` uses the communicator's timeout.
+
+        Raises:
+            CollectiveTimeoutError: not complete within the timeout (a RuntimeError subclass).
+            RuntimeError: the transport failed (e.g. a peer closed its connection).
+        """
+        if self._done:
+            return
+        limit = self.timeout if timeout is None else timeout
+        if limit is not None and limit < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
+        try:
+            self._wait(limit)
+        except TimeoutError as exc:
+            raise CollectiveTimeoutError(
+                f"{self.description} did not complete within {limit} s; another rank may have "
+                "died, stopped calling collectives, or issued a different sequence of them"
+            ) from exc
+        self._finish()
+
+    def is_completed(self) -> bool:
+        """Return True when :meth:`wait` would return at once (never blocks)."""
+        if self._done:
+            return True
+        if self._test():
+            self._finish()
+            return True
+        return False
+
+    def _finish(self) -> None:
+        self._done = True
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"<{type(self).__name__} {self.description!r} {state}>"
+
+
+class CompletedWork(Work):
+    """A :class:`Work` that is complete from the start (synchronous ops, world_size 1)."""
+
+    def __init__(self, description: str = "completed collective") -> None:
+        super().__init__(description, None)
+        self._done = True
+
+    def _wait(self, timeout: float | None) -> None:
+        return None
+
+    def _test(self) -> bool:
+        return True
