@@ -112,7 +112,12 @@ class Communicator(abc.ABC):
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, async_op: bool = False
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        label: str | None = None,
     ) -> Work:
         """Reduce ``tensor`` element-wise across all ranks, in place; every rank gets the result.
 
@@ -121,6 +126,7 @@ class Communicator(abc.ABC):
                 handled by a contiguous copy that is written back on completion.
             op: a :class:`ReduceOp` or its name; ``AVG`` needs a floating-point dtype.
             async_op: return at once with a pending :class:`Work`.
+            label: names the data in error messages and profiles (e.g. ``"bucket 3"``).
 
         Returns:
             A :class:`Work`; ``tensor`` holds the result after ``Work.wait()``.
@@ -141,7 +147,7 @@ class Communicator(abc.ABC):
         if self._world_size == 1 or tensor.numel() == 0:
             return CompletedWork()
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        desc = self._describe("all_reduce", buf, op.name)
+        desc = self._describe("all_reduce", buf, op.name if label is None else f"{op.name} {label}")
         if op in self.native_reduce_ops:
             work = self._all_reduce(buf, op, desc)
         elif op is ReduceOp.AVG:

