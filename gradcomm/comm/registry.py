@@ -1,6 +1,7 @@
 """Backend registry: names to factories, with lazy imports and availability checks.
 
-A backend is registered with a factory ``factory(launch, timeout) -> Communicator`` and a check
+A backend is registered with a factory ``factory(launch, timeout, device) -> Communicator`` (``device``
+None means the backend's default: cpu for gloo and mpi, ``cuda:local_rank`` for nccl) and a check
 ``check() -> Exception | None`` that says, without side effects, why the backend cannot run here
 (the exception :func:`create_communicator` will raise) or ``None`` when it can. The built-in
 backends' factories import their modules only when called, so a missing mpi4py or cupy never breaks
@@ -18,6 +19,8 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from .communicator import Communicator
 from .errors import BackendUnavailableError
 from .launcher import LaunchInfo
@@ -32,7 +35,7 @@ __all__ = [
     "normalize_backend_name",
 ]
 
-BackendFactory = Callable[[LaunchInfo, "float | None"], Communicator]
+BackendFactory = Callable[[LaunchInfo, "float | None", "torch.device | None"], Communicator]
 BackendCheck = Callable[[], "Exception | None"]
 
 
@@ -84,9 +87,13 @@ def _gloo_check() -> Exception | None:
     return None
 
 
-def _gloo_factory(launch: LaunchInfo, timeout: float | None) -> Communicator:
+def _gloo_factory(
+    launch: LaunchInfo, timeout: float | None, device: torch.device | None
+) -> Communicator:
     from .backends.gloo import GlooCommunicator
 
+    if device is not None and device.type != "cpu":
+        raise ValueError(f"the gloo backend here works on cpu tensors, not {device}")
     return GlooCommunicator(launch, timeout=timeout)
 
 
@@ -94,10 +101,12 @@ def _mpi_check() -> Exception | None:
     return _missing_module("mpi4py", "mpi4py  (and an MPI library, e.g. pip install mpich)", "mpi")
 
 
-def _mpi_factory(launch: LaunchInfo, timeout: float | None) -> Communicator:
+def _mpi_factory(
+    launch: LaunchInfo, timeout: float | None, device: torch.device | None
+) -> Communicator:
     from .backends.mpi import MPICommunicator
 
-    return MPICommunicator(launch, timeout=timeout)
+    return MPICommunicator(launch, timeout=timeout, device=device)
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -113,7 +122,8 @@ def register_backend(
 
     Args:
         name: backend name (normalised by :func:`normalize_backend_name`).
-        factory: ``factory(launch, timeout) -> Communicator``; called on every rank.
+        factory: ``factory(launch, timeout, device) -> Communicator``; called on every rank;
+            ``device`` is None for the backend's default.
         check: ``check() -> Exception | None``: why the backend cannot run here, or None.
         replace: allow replacing an existing registration.
 
@@ -171,8 +181,10 @@ def check_backend(name: str) -> None:
         raise problem
 
 
-def create_communicator(name: str, launch: LaunchInfo, timeout: float | None) -> Communicator:
-    """Build backend ``name``'s communicator for this process.
+def create_communicator(
+    name: str, launch: LaunchInfo, timeout: float | None, device: torch.device | str | None = None
+) -> Communicator:
+    """Build backend ``name``'s communicator for this process (``device`` None: its default).
 
     Raises:
         ValueError: unknown name. ImportError: missing package. BackendUnavailableError: no CUDA
@@ -182,4 +194,4 @@ def create_communicator(name: str, launch: LaunchInfo, timeout: float | None) ->
     problem = entry.check()
     if problem is not None:
         raise problem
-    return entry.factory(launch, timeout)
+    return entry.factory(launch, timeout, None if device is None else torch.device(device))

@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
 from .communicator import Communicator
 from .launcher import LaunchInfo, detect_launch
 from .registry import available_backends, create_communicator, normalize_backend_name
@@ -82,6 +84,7 @@ def init(
     rank: int | None = None,
     world_size: int | None = None,
     local_rank: int | None = None,
+    device: torch.device | str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Communicator:
     """Build this process's communicator; call it once on every rank.
@@ -93,6 +96,8 @@ def init(
             ``GRADCOMM_TIMEOUT``, else 300.
         rank, world_size, local_rank: explicit placement; default read from the launcher's
             environment (torchrun, mpirun/mpiexec, srun), else a single process.
+        device: device of the tensors to reduce; default the backend's (cpu for gloo and mpi,
+            ``cuda:local_rank`` for nccl and cupy-nccl). ``"cuda"`` with mpi passes GPU buffers.
         env: environment to read (default os.environ).
 
     Returns:
@@ -108,4 +113,4 @@ def init(
     choice = select_backend(backend, env)
     seconds = resolve_timeout(timeout, env)
     launch: LaunchInfo = detect_launch(env, rank=rank, world_size=world_size, local_rank=local_rank)
-    return create_communicator(choice.name, launch, seconds)
+    return create_communicator(choice.name, launch, seconds, device)
