@@ -101,8 +101,10 @@ _LAUNCHER_VARS: tuple[tuple[Launcher, str, tuple[str, ...], tuple[str, ...], tup
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
     raw = env[name]
-    # SLURM_TASKS_PER_NODE looks like "2(x3),1": the first field is this job's usual count.
-    head = raw.split(",")[0].split("(")[0].strip()
+    head = raw.strip()
+    if name == "SLURM_TASKS_PER_NODE":
+        # Looks like "2(x3),1": the first field is this job's usual count.
+        head = head.split(",")[0].split("(")[0].strip()
     try:
         return int(head)
     except ValueError:
@@ -158,8 +160,9 @@ def detect_launch(
             )
         lr = _first(env, local_vars) if local_rank is None else local_rank
         lws = _first(env, local_size_vars) if local_world_size is None else local_world_size
-        if lr is None or lws is None:
-            lr, lws = found_rank, size
+        if lr is None or lws is None:  # no local info: all ranks on one host; explicit wins
+            lr = found_rank if local_rank is None else local_rank
+            lws = size if local_world_size is None else local_world_size
         return LaunchInfo(found_rank, size, lr, lws, launcher)
 
     return LaunchInfo(

@@ -1,0 +1,315 @@
+"""The collective interface on the thread backend and on real gloo processes.
+
+Every rank's input is a known function of its rank, so each rank can compute the reference result
+of every collective locally. The inputs are small integers stored in each dtype: every sum, product
+and average below is then exact (or correctly rounded once), independent of the order in which the
+transport combines ranks, so results are compared exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradcomm
+from gradcomm.comm import CollectiveTimeoutError, Communicator, ReduceOp, SupportLevel
+from gradcomm.comm.backends.threads import ThreadGroup
+
+from dist_utils import run_processes
+
+N = 1031  # odd, so no transport gets a conveniently divisible size
+EXACT_DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def rank_input(rank: int, dtype: torch.dtype, n: int = N) -> torch.Tensor:
+    """Rank ``rank``'s input: integers in [-3, 3] (products of up to 3 ranks stay exact)."""
+    return ((torch.arange(n) * 7 + 3 * rank + 1) % 7 - 3).to(dtype)
+
+
+def reference(op: ReduceOp, world_size: int, dtype: torch.dtype, n: int = N) -> torch.Tensor:
+    """The expected result of all-reducing every rank's :func:`rank_input`, computed in float64."""
+    stack = torch.stack([rank_input(r, torch.float64, n) for r in range(world_size)])
+    if op is ReduceOp.SUM:
+        out = stack.sum(0)
+    elif op is ReduceOp.AVG:
+        out = stack.sum(0) / world_size
+    elif op is ReduceOp.PRODUCT:
+        out = stack.prod(0)
+    elif op is ReduceOp.MIN:
+        out = stack.min(0).values
+    else:
+        out = stack.max(0).values
+    return out.to(dtype)
+
+
+# ----------------------------------------------------------------------------- shared checks
+def check_reductions(comm: Communicator, dtypes: list[torch.dtype]) -> None:
+    """Every ReduceOp on every dtype, against the reference; AVG on integers raises TypeError."""
+    for dtype in dtypes:
+        for op in ReduceOp:
+            t = rank_input(comm.rank, dtype)
+            if op is ReduceOp.AVG and not dtype.is_floating_point:
+                with pytest.raises(TypeError, match="AVG"):
+                    comm.all_reduce(t, op)
+                assert torch.equal(t, rank_input(comm.rank, dtype))  # untouched
+                continue
+            work = comm.all_reduce(t, op)
+            assert work.is_completed()
+            assert t.dtype == dtype and t.shape == (N,)
+            expected = reference(op, comm.world_size, dtype)
+            assert torch.equal(t, expected), f"{op} on {dtype}: {t[:8]} != {expected[:8]}"
+        # Op given by name, and a value that float64 cannot hold (no float path for int64).
+        if dtype is torch.int64:
+            big = torch.full((5,), 2**53 + 1, dtype=torch.int64)
+            comm.all_reduce(big, "sum")
+            assert big.tolist() == [(2**53 + 1) * comm.world_size] * 5
+
+
+def check_broadcast_gather_barrier(comm: Communicator) -> None:
+    rank, ws = comm.rank, comm.world_size
+    src = 1 % ws
+    t = torch.full((4, 3), float(rank), dtype=torch.float64) + torch.arange(12.0).view(4, 3)
+    comm.broadcast(t, src=src)
+    assert torch.equal(t, torch.arange(12.0, dtype=torch.float64).view(4, 3) + src)
+
+    ints = torch.arange(5, dtype=torch.int64) * (rank + 1)
+    out = torch.empty(ws, 5, dtype=torch.int64)
+    comm.all_gather(out, ints)
+    assert torch.equal(out, torch.stack([torch.arange(5) * (r + 1) for r in range(ws)]))
+
+    flat = torch.empty(ws * 5, dtype=torch.int64)  # a flat output works too
+    comm.all_gather(flat, ints)
+    assert torch.equal(flat, out.view(-1))
+
+    comm.barrier()
+    comm.barrier()
+
+
+def check_non_contiguous(comm: Communicator) -> None:
+    rank, ws = comm.rank, comm.world_size
+    base = torch.arange(24.0).view(4, 6) * (rank + 1)
+    view = base[:, ::2]  # non-contiguous, shares storage with base
+    assert not view.is_contiguous()
+    comm.all_reduce(view, ReduceOp.SUM)
+    total = sum(r + 1 for r in range(ws))
+    expected = torch.arange(24.0).view(4, 6) * (rank + 1)
+    expected[:, ::2] = torch.arange(24.0).view(4, 6)[:, ::2] * total
+    assert torch.equal(base, expected)  # written back into the view; the gaps untouched
+
+    mat = (torch.arange(6.0).view(2, 3) + 10 * rank).t()  # transposed
+    comm.broadcast(mat, src=0)
+    assert torch.equal(mat, torch.arange(6.0).view(2, 3).t())
+
+    out = torch.zeros(3, 2 * ws).t()  # non-contiguous output of all_gather
+    comm.all_gather(out, torch.full((3, 2), float(rank)).t())
+    expected_out = torch.cat([torch.full((2, 3), float(r)) for r in range(ws)])
+    assert torch.equal(out, expected_out)
+
+
+def check_async(comm: Communicator, handshake: Path) -> None:
+    """Rank 0's async all-reduce is pending until the others join; wait() then completes it."""
+    t = torch.full((N,), float(comm.rank + 1))
+    flag = handshake / "rank0-checked"
+    if comm.rank == 0:
+        work = comm.all_reduce(t, ReduceOp.AVG, async_op=True)
+        # The other ranks have not issued theirs yet (they wait for the flag file).
+        assert not work.is_completed()
+        flag.touch()
+        work.wait()
+    else:
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        work = comm.all_reduce(t, ReduceOp.AVG, async_op=True)
+        work.wait()
+    assert work.is_completed()
+    work.wait()  # waiting again is a no-op
+    assert torch.equal(t, torch.full((N,), (comm.world_size + 1) / 2))
+    with pytest.raises(RuntimeError, match="completed"):
+        work.add_callback(lambda: None)
+
+    # Several in flight at once, each its own buffer; waited in reverse order.
+    bufs = [torch.full((7,), float(i * (comm.rank + 1))) for i in range(4)]
+    works = [comm.all_reduce(b, async_op=True) for b in bufs]
+    works += [comm.broadcast(torch.zeros(1), src=0, async_op=True)]
+    for w in reversed(works):
+        w.wait()
+    total = sum(r + 1 for r in range(comm.world_size))
+    for i, b in enumerate(bufs):
+        assert torch.equal(b, torch.full((7,), float(i * total)))
+
+
+def check_bad_input(comm: Communicator) -> None:
+    t = torch.ones(3)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        comm.all_reduce([1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        comm.broadcast(3.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dense"):
+        comm.all_reduce(torch.eye(3).to_sparse())
+    with pytest.raises(ValueError, match="meta"):
+        comm.all_reduce(torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        comm.all_reduce(t, "mean")
+    with pytest.raises(TypeError, match="ReduceOp"):
+        comm.all_reduce(t, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="src"):
+        comm.broadcast(t, src=comm.world_size)
+    with pytest.raises(TypeError, match="src"):
+        comm.broadcast(t, src=0.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_size"):
+        comm.all_gather(torch.empty(comm.world_size * 3 + 1), t)
+    with pytest.raises(TypeError, match="dtype"):
+        comm.all_gather(torch.empty(comm.world_size * 3, dtype=torch.float64), t)
+    assert torch.equal(t, torch.ones(3))
+
+
+def check_closed(comm: Communicator) -> None:
+    comm.close()
+    comm.close()  # idempotent
+    assert comm.closed
+    t = torch.ones(2)
+    for call in (
+        lambda: comm.all_reduce(t),
+        lambda: comm.broadcast(t),
+        lambda: comm.all_gather(torch.empty(2 * comm.world_size), t),
+        comm.barrier,
+    ):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+
+
+def full_suite(comm: Communicator, handshake: Path, dtypes: list[torch.dtype]) -> str:
+    check_bad_input(comm)  # before any collective: bad input must not desynchronise the ranks
+    check_reductions(comm, dtypes)
+    check_broadcast_gather_barrier(comm)
+    check_non_contiguous(comm)
+    check_async(comm, handshake)
+    check_closed(comm)
+    return "ok"
+
+
+# ----------------------------------------------------------------------------- thread backend
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_thread_backend_suite(world_size: int, tmp_path: Path) -> None:
+    group = ThreadGroup(world_size, timeout=30)
+    results = group.run(lambda comm: full_suite(comm, tmp_path, EXACT_DTYPES + HALF_DTYPES))
+    assert results == ["ok"] * world_size
+    assert group.calls[0] == group.calls[-1] > 0
+
+
+def test_thread_backend_bad_input_issues_no_collective() -> None:
+    group = ThreadGroup(2, timeout=10)
+
+    def body(comm: Communicator) -> None:
+        check_bad_input(comm)
+        with pytest.raises(TypeError, match="AVG"):
+            comm.all_reduce(torch.arange(3), ReduceOp.AVG)
+
+    group.run(body)
+    assert group.calls == [0, 0]
+
+
+def test_world_size_one_issues_no_collective() -> None:
+    group = ThreadGroup(1)
+    comm = group.communicator(0)
+    t = torch.arange(5.0)
+    for op in ReduceOp:
+        assert comm.all_reduce(t, op).is_completed()
+    comm.all_reduce(t[::2], ReduceOp.AVG, async_op=True).wait()
+    comm.broadcast(t, src=0)
+    out = torch.empty(5)
+    comm.all_gather(out, t)
+    comm.barrier()
+    assert torch.equal(t, torch.arange(5.0)) and torch.equal(out, t)
+    with pytest.raises(TypeError, match="AVG"):
+        comm.all_reduce(torch.arange(3), ReduceOp.AVG)  # still validated at world_size 1
+    with pytest.raises(ValueError, match="src"):
+        comm.broadcast(t, src=1)
+    assert group.calls == [0]
+    comm.close()
+
+
+def test_thread_backend_timeout() -> None:
+    group = ThreadGroup(2, timeout=1.0)
+
+    def body(comm: Communicator) -> str:
+        if comm.rank == 1:
+            return "idle"  # never joins the collective
+        with pytest.raises(CollectiveTimeoutError, match="all_reduce"):
+            comm.all_reduce(torch.ones(3))
+        return "timed out"
+
+    assert group.run(body) == ["timed out", "idle"]
+
+
+def test_reduce_op_coerce() -> None:
+    assert ReduceOp.coerce("AVG") is ReduceOp.AVG
+    assert ReduceOp.coerce(" product ") is ReduceOp.PRODUCT
+    assert ReduceOp.coerce(ReduceOp.MIN) is ReduceOp.MIN
+
+
+# ----------------------------------------------------------------------------- gloo processes
+def _gloo_suite(rank: int, world_size: int, handshake: str) -> str:
+    with gradcomm.init("gloo", timeout=60) as comm:
+        assert (comm.rank, comm.world_size, comm.backend) == (rank, world_size, "gloo")
+        assert comm.supports(torch.float32).level is SupportLevel.NATIVE
+        for dtype in HALF_DTYPES:
+            assert comm.supports(dtype).level is SupportLevel.EMULATED_SLOW
+        assert not comm.supports(torch.float32, "meta").is_supported
+        return full_suite(comm, Path(handshake), EXACT_DTYPES + HALF_DTYPES)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_suite(world_size: int, tmp_path: Path) -> None:
+    assert run_processes(_gloo_suite, world_size, str(tmp_path), timeout=90) == ["ok"] * world_size
+
+
+def test_gloo_world_size_one() -> None:
+    with gradcomm.init("gloo", rank=0, world_size=1, timeout=10) as comm:
+        assert comm.process_group is None  # type: ignore[attr-defined]  # no transport at all
+        t = torch.arange(6.0).view(2, 3)
+        for op in ReduceOp:
+            comm.all_reduce(t, op)
+        comm.broadcast(t, src=0)
+        out = torch.empty(6)
+        comm.all_gather(out, t)
+        comm.barrier()
+        assert torch.equal(t, torch.arange(6.0).view(2, 3)) and torch.equal(out, t.view(-1))
+
+
+def _gloo_timeout(rank: int, world_size: int, timeout: float, flag: str) -> float | str:
+    done = Path(flag)
+    with gradcomm.init("gloo", timeout=timeout) as comm:
+        comm.barrier()  # both ranks are connected
+        if rank == 1:
+            # Stop calling collectives; leave only once rank 0 has seen its error (or after 60 s).
+            deadline = time.monotonic() + 60
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return "idle"
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(100), label="bucket 0")
+        except CollectiveTimeoutError as exc:
+            elapsed = time.monotonic() - start
+            assert "all_reduce" in str(exc) and "bucket 0" in str(exc), str(exc)
+            return elapsed
+        finally:
+            done.touch()
+        return "no error"
+
+
+def test_gloo_rank_that_stops_calling_times_out_the_others(tmp_path: Path) -> None:
+    timeout = 3.0
+    elapsed, idle = run_processes(
+        _gloo_timeout, 2, timeout, str(tmp_path / "done"), timeout=90
+    )
+    assert idle == "idle"
+    assert isinstance(elapsed, float), elapsed
+    # It waited for the timeout, and raised within it plus a generous margin (no hang).
+    assert timeout * 0.8 <= elapsed <= timeout + 20, elapsed

@@ -1,0 +1,238 @@
+"""Backend selection, timeouts and the registry: argument > GRADCOMM_BACKEND > auto."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import gradcomm
+from gradcomm.comm import (
+    DEFAULT_TIMEOUT,
+    BackendUnavailableError,
+    Communicator,
+    LaunchInfo,
+    Launcher,
+    available_backends,
+    known_backends,
+    register_backend,
+    resolve_timeout,
+    select_backend,
+)
+from gradcomm.comm import registry
+from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm.selection import init
+
+from dist_utils import REPO_ROOT
+
+
+@pytest.fixture(autouse=True)
+def _private_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test registers into a copy of the registry, so nothing leaks between tests."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+
+# ----------------------------------------------------------------------------- selection order
+def test_argument_beats_environment() -> None:
+    choice = select_backend("MPI", {"GRADCOMM_BACKEND": "gloo"})
+    assert (choice.name, choice.reason) == ("mpi", "the backend argument")
+
+
+def test_environment_beats_auto() -> None:
+    choice = select_backend(None, {"GRADCOMM_BACKEND": " Gloo "})
+    assert (choice.name, choice.reason) == ("gloo", "GRADCOMM_BACKEND")
+
+
+def test_auto_is_gloo_without_usable_nccl() -> None:
+    assert select_backend(None, {}).name == "gloo"
+    register_backend("nccl", _unused_factory, check=lambda: BackendUnavailableError("no CUDA"),
+                     replace=True)
+    assert select_backend(None, {}).name == "gloo"
+    assert select_backend(None, {"GRADCOMM_BACKEND": ""}).name == "gloo"
+
+
+def test_auto_is_nccl_when_usable() -> None:
+    register_backend("nccl", _unused_factory, check=lambda: None, replace=True)
+    choice = select_backend(None, {})
+    assert choice.name == "nccl"
+    assert choice.reason.startswith("auto")
+
+
+def test_names_are_normalised() -> None:
+    assert select_backend("CUPY_NCCL", {}).name == "cupy-nccl"
+    with pytest.raises(TypeError):
+        select_backend(3, {})  # type: ignore[arg-type]
+
+
+def test_unknown_environment_backend_lists_known_names() -> None:
+    with pytest.raises(ValueError, match="unknown gradcomm backend 'nosuch'") as info:
+        init(env={"GRADCOMM_BACKEND": "nosuch"})
+    for name in known_backends():
+        assert name in str(info.value)
+    assert "gloo" in str(info.value) and "mpi" in str(info.value)
+
+
+def test_unknown_argument_backend_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="known backends: .*gloo"):
+        init("glooo", env={})
+
+
+# ----------------------------------------------------------------------------- timeout
+@pytest.mark.parametrize(
+    ("timeout", "env", "expected"),
+    [
+        (None, {}, DEFAULT_TIMEOUT),
+        (None, {"GRADCOMM_TIMEOUT": ""}, DEFAULT_TIMEOUT),
+        (None, {"GRADCOMM_TIMEOUT": "12.5"}, 12.5),
+        (None, {"GRADCOMM_TIMEOUT": " 7 "}, 7.0),
+        (3, {"GRADCOMM_TIMEOUT": "12.5"}, 3.0),  # the argument wins
+        (0.25, {}, 0.25),
+    ],
+)
+def test_timeout_resolution(timeout: float | None, env: dict[str, str], expected: float) -> None:
+    assert resolve_timeout(timeout, env) == expected
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-1", "inf", "nan", "10s"])
+def test_bad_environment_timeout(raw: str) -> None:
+    with pytest.raises(ValueError, match="GRADCOMM_TIMEOUT"):
+        resolve_timeout(None, {"GRADCOMM_TIMEOUT": raw})
+    with pytest.raises(ValueError, match="GRADCOMM_TIMEOUT"):
+        init("gloo", env={"GRADCOMM_TIMEOUT": raw})
+
+
+@pytest.mark.parametrize("bad", [0, -2.0, float("inf"), float("nan")])
+def test_bad_timeout_argument(bad: float) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        resolve_timeout(bad, {})
+
+
+@pytest.mark.parametrize("bad", [True, "10", [1]])
+def test_timeout_argument_of_wrong_type(bad: object) -> None:
+    with pytest.raises(TypeError, match="timeout"):
+        resolve_timeout(bad, {})  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- registry
+def test_available_backends_statuses() -> None:
+    status = available_backends()
+    assert list(status) == sorted(status)
+    assert {"gloo", "mpi"} <= set(status)
+    assert status["gloo"].available is torch.distributed.is_gloo_available()
+    assert status["gloo"].name == "gloo"
+    has_mpi4py = importlib.util.find_spec("mpi4py") is not None
+    assert status["mpi"].available is has_mpi4py
+    assert (status["mpi"].reason == "") is has_mpi4py
+
+
+def test_unavailable_backend_reports_reason_and_raises_it() -> None:
+    register_backend("broken", _unused_factory,
+                     check=lambda: BackendUnavailableError("needs a frobnicator"))
+    status = available_backends()["broken"]
+    assert (status.available, status.reason) == (False, "needs a frobnicator")
+    with pytest.raises(BackendUnavailableError, match="frobnicator"):
+        init("broken", env={})
+
+
+def _unused_factory(launch: LaunchInfo, timeout: float | None,
+                    device: torch.device | None) -> Communicator:
+    raise AssertionError("this factory must not be called")
+
+
+def test_register_backend_with_custom_factory() -> None:
+    calls: list[tuple[LaunchInfo, float | None, torch.device | None]] = []
+    group = ThreadGroup(1)
+
+    def factory(launch: LaunchInfo, timeout: float | None,
+                device: torch.device | None) -> Communicator:
+        calls.append((launch, timeout, device))
+        return group.communicator(launch.rank)
+
+    register_backend("My_Backend", factory)
+    assert "my-backend" in known_backends()
+    assert available_backends()["my-backend"].available
+
+    comm = init("my-backend", timeout=5, env={})
+    assert comm.rank == 0 and comm.world_size == 1
+    assert calls == [(LaunchInfo(0, 1, 0, 1, Launcher.SINGLE), 5.0, None)]
+
+    # Selected through the environment, with explicit placement and a device.
+    comm = init(rank=0, world_size=1, device="cpu",
+                env={"GRADCOMM_BACKEND": "MY_BACKEND", "GRADCOMM_TIMEOUT": "9"})
+    assert calls[-1] == (LaunchInfo(0, 1, 0, 1, Launcher.EXPLICIT), 9.0, torch.device("cpu"))
+    t = torch.tensor([4.0])
+    comm.all_reduce(t)
+    assert t.item() == 4.0 and group.calls == [0]
+    comm.close()
+
+
+def test_register_backend_bad_arguments() -> None:
+    register_backend("dup", _unused_factory)
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("DUP", _unused_factory)
+    register_backend("dup", _unused_factory, replace=True)  # allowed
+    with pytest.raises(TypeError, match="factory"):
+        register_backend("x", "not callable")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="check"):
+        register_backend("x", _unused_factory, check=42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty"):
+        register_backend("  ", _unused_factory)
+    assert "x" not in known_backends()
+
+
+def test_gloo_world_size_one_through_init() -> None:
+    with init("gloo", timeout=10, env={}) as comm:
+        assert (comm.backend, comm.rank, comm.world_size) == ("gloo", 0, 1)
+        t = torch.arange(3.0)
+        comm.all_reduce(t, "avg")
+        assert t.tolist() == [0.0, 1.0, 2.0]
+
+
+# ----------------------------------------------------------------------------- missing mpi4py
+_NO_MPI4PY = textwrap.dedent(
+    """
+    import sys
+    sys.modules["mpi4py"] = None  # as if mpi4py were not installed
+    import gradcomm
+    status = gradcomm.available_backends()["mpi"]
+    assert not status.available, status
+    assert "pip install mpi4py" in status.reason, status.reason
+    try:
+        gradcomm.init("mpi", env={})
+    except ImportError as exc:
+        print("IMPORTERROR:", exc)
+    else:
+        raise SystemExit("init('mpi') did not raise ImportError")
+    try:
+        gradcomm.init(env={"GRADCOMM_BACKEND": "mpi"})
+    except ImportError as exc:
+        print("IMPORTERROR:", exc)
+    """
+)
+
+
+def test_mpi_backend_without_mpi4py_names_pip_command() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_MPI4PY], capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("IMPORTERROR:")]
+    assert len(lines) == 2, proc.stdout
+    assert all("pip install mpi4py" in line for line in lines)
+
+
+def test_import_gradcomm_does_not_import_mpi4py() -> None:
+    code = "import sys, gradcomm; gradcomm.available_backends(); print('mpi4py' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_top_level_init_is_the_same_function() -> None:
+    assert gradcomm.init is init
