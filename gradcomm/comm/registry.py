@@ -109,9 +109,39 @@ def _mpi_factory(
     return MPICommunicator(launch, timeout=timeout, device=device)
 
 
+def _nccl_check() -> Exception | None:
+    from .backends.nccl import nccl_unavailable
+
+    return nccl_unavailable()
+
+
+def _nccl_factory(
+    launch: LaunchInfo, timeout: float | None, device: torch.device | None
+) -> Communicator:
+    from .backends.nccl import NCCLCommunicator
+
+    return NCCLCommunicator(launch, timeout=timeout, device=device)
+
+
+def _cupy_nccl_check() -> Exception | None:
+    from .backends.cupy_nccl import cupy_nccl_unavailable
+
+    return cupy_nccl_unavailable()
+
+
+def _cupy_nccl_factory(
+    launch: LaunchInfo, timeout: float | None, device: torch.device | None
+) -> Communicator:
+    from .backends.cupy_nccl import CupyNCCLCommunicator
+
+    return CupyNCCLCommunicator(launch, timeout=timeout, device=device)
+
+
 _REGISTRY: dict[str, _Entry] = {
     "gloo": _Entry(_gloo_factory, _gloo_check),
     "mpi": _Entry(_mpi_factory, _mpi_check),
+    "nccl": _Entry(_nccl_factory, _nccl_check),
+    "cupy-nccl": _Entry(_cupy_nccl_factory, _cupy_nccl_check),
 }
 
 

@@ -1,0 +1,337 @@
+"""The cupy-nccl backend: NCCL through CuPy's communicator, bootstrapped over MPI.
+
+NCCL needs one 128-byte unique id, made by rank 0 and known to every rank, before the
+communicator exists. Here it travels over MPI (mpi4py's ``bcast``) when the job was started by
+``mpirun``/``mpiexec``, so such a job needs no ``MASTER_ADDR``/``MASTER_PORT`` and no torch
+store; otherwise (torchrun, explicit ranks) over the store of
+:func:`gradcomm.comm.rendezvous.create_store`. MPI carries only the id: the data moves by NCCL.
+
+Capability table: the nccl backend's (:mod:`gradcomm.comm.backends.nccl`): float16, bfloat16,
+float32, float64, int8, uint8, int32, int64 native on CUDA; SUM, AVG (``ncclAvg``; with NCCL older
+than 2.10, SUM then a division on the same stream), MIN, MAX, PRODUCT native. Broadcast and
+all_gather move raw bytes, so they take any dtype.
+
+Streams: every NCCL call is enqueued on torch's current stream of the communicator's device
+(``torch.cuda.current_stream(device).cuda_stream`` is passed to NCCL), so it is ordered after the
+kernels that produced the tensor and before those that use the result, with no extra
+synchronisation. The :class:`~gradcomm.comm.Work` of a collective is a CUDA event recorded after the
+call: ``is_completed()`` asks the event, ``wait()`` polls it (and NCCL's asynchronous error state)
+until done or until the timeout, after which the NCCL communicator is aborted (a kernel waiting for
+a dead peer never returns) and the communicator cannot be used again.
+
+Torch tensors go to NCCL by pointer (``tensor.data_ptr()``): zero-copy. CuPy arrays are reduced by
+viewing them as torch tensors, also zero-copy and stream-safe through DLPack::
+
+    x = cupy.arange(4, dtype=cupy.float32)
+    comm.all_reduce(torch.from_dlpack(x))     # x now holds the sum over ranks
+
+(:func:`as_tensor` does the same and checks the argument.) One rank per GPU: NCCL refuses two
+ranks of one communicator on the same GPU ("Duplicate GPU detected").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..communicator import Communicator
+from ..errors import BackendUnavailableError
+from ..launcher import LaunchInfo
+from ..rendezvous import create_store
+from ..types import ReduceOp, Support, SupportLevel
+from ..work import Work
+from .nccl import check_same_device, nccl_support, resolve_cuda_device
+
+__all__ = ["CudaEventWork", "CupyNCCLCommunicator", "as_tensor", "cupy_nccl_unavailable"]
+
+log = logging.getLogger("gradcomm.comm.cupy_nccl")
+
+_PIP_CUPY = "pip install cupy-cuda12x"
+# nccl.h values, stable across NCCL 2.x (CuPy does not export every one in every version).
+_NCCL_AVG = 4  # ncclAvg, NCCL >= 2.10
+_NCCL_BFLOAT16 = 9  # ncclBfloat16, NCCL >= 2.10
+_NCCL_2_10 = 21000  # ncclGetVersion() code of 2.10.0
+
+
+def cupy_nccl_unavailable() -> Exception | None:
+    """Why the cupy-nccl backend cannot run here, or None; imports cupy only when CUDA is there.
+
+    Returns:
+        ImportError naming ``pip install cupy-cuda12x`` when cupy is missing;
+        BackendUnavailableError when there is no CUDA device or CuPy finds no NCCL library.
+    """
+    if importlib.util.find_spec("cupy") is None:
+        extra = "" if torch.cuda.is_available() else " (it also needs a CUDA device; none here)"
+        return ImportError(f"the cupy-nccl backend needs the cupy package: {_PIP_CUPY}{extra}")
+    if not torch.cuda.is_available():
+        return BackendUnavailableError(
+            "cupy-nccl backend needs a CUDA device: torch.cuda.is_available() is False"
+        )
+    try:
+        from cupy.cuda import nccl  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as exc:
+        return BackendUnavailableError(
+            f"CuPy cannot load NCCL ({exc}): pip install nvidia-nccl-cu12"
+        )
+    if not getattr(nccl, "available", False):
+        return BackendUnavailableError(
+            "CuPy found no NCCL library (cupy.cuda.nccl.available is False): "
+            "pip install nvidia-nccl-cu12"
+        )
+    return None
+
+
+def as_tensor(array: Any) -> torch.Tensor:
+    """A torch view of a CuPy array (zero-copy, through DLPack), for the collectives.
+
+    DLPack's stream handshake makes torch's current stream wait for CuPy's, so the array's pending
+    writes land before NCCL reads it. Writes into the view are writes into ``array``.
+
+    Raises:
+        TypeError: ``array`` does not support DLPack (``__dlpack__``).
+    """
+    if not hasattr(array, "__dlpack__"):
+        raise TypeError(f"expected a CuPy array (with __dlpack__), got {type(array).__name__}")
+    return torch.from_dlpack(array)
+
+
+class CudaEventWork(Work):
+    """A collective enqueued on a CUDA stream, complete when ``event`` (recorded after it) is.
+
+    Args:
+        event: an object with ``query() -> bool`` (a :class:`torch.cuda.Event`).
+        description: for error messages.
+        timeout: default timeout of :meth:`wait`, seconds.
+        check_error: called while polling; raises RuntimeError on an asynchronous NCCL error.
+        on_timeout: called once when :meth:`wait` times out, before it raises.
+    """
+
+    #: Polling interval bounds of :meth:`wait`, seconds (doubling from the first to the second).
+    POLL_MIN_S = 20e-6
+    POLL_MAX_S = 1e-3
+
+    def __init__(
+        self,
+        event: Any,
+        description: str,
+        timeout: float | None,
+        check_error: Callable[[], None],
+        on_timeout: Callable[[], None],
+    ) -> None:
+        super().__init__(description, timeout)
+        self._event = event
+        self._check_error = check_error
+        self._on_timeout = on_timeout
+
+    def _test(self) -> bool:
+        if bool(self._event.query()):
+            return True
+        self._check_error()
+        return False
+
+    def _wait(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = self.POLL_MIN_S
+        while not self._test():
+            if deadline is not None and time.monotonic() >= deadline:
+                self._on_timeout()
+                raise TimeoutError(f"{self.description}: CUDA event not reached")
+            time.sleep(delay)
+            delay = min(2 * delay, self.POLL_MAX_S)
+
+
+class CupyNCCLCommunicator(Communicator):
+    """Collectives on CUDA tensors through ``cupy.cuda.nccl.NcclCommunicator``.
+
+    Args:
+        launch: rank, world size and local rank (see :func:`gradcomm.comm.detect_launch`).
+        timeout: seconds per collective (and for a store rendezvous); ``None``: forever.
+        device: ``cuda:<i>``; default ``cuda:<local_rank>``.
+
+    The NCCL communicator is created at every world size (a 1-rank NCCL communicator is valid),
+    although the base class issues no collective at world_size 1.
+
+    Raises:
+        ImportError: cupy missing (the message has ``pip install cupy-cuda12x``).
+        BackendUnavailableError: no CUDA device, no NCCL for CuPy, or more ranks than GPUs on
+            this host.
+        ValueError: ``device`` is not a CUDA device of this host.
+        RuntimeError: the unique-id exchange failed (MPI, or store timeout).
+    """
+
+    backend = "cupy-nccl"
+    native_reduce_ops = frozenset(
+        {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
+    )
+
+    def __init__(
+        self,
+        launch: LaunchInfo,
+        *,
+        timeout: float | None = 300.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        problem = cupy_nccl_unavailable()
+        if problem is not None:
+            raise problem
+        import cupy  # type: ignore[import-not-found, unused-ignore]
+        from cupy.cuda import nccl  # type: ignore[import-not-found, unused-ignore]
+
+        dev = resolve_cuda_device(launch, device, self.backend)
+        super().__init__(
+            rank=launch.rank,
+            world_size=launch.world_size,
+            local_rank=launch.local_rank,
+            device=dev,
+            timeout=timeout,
+        )
+        self.launch = launch
+        torch.cuda.set_device(dev)
+        self._nccl_mod = nccl
+        self.nccl_version = int(nccl.get_version())
+        self._dtypes = self._dtype_table(nccl)
+        self._ops = {
+            ReduceOp.SUM: nccl.NCCL_SUM,
+            ReduceOp.PRODUCT: nccl.NCCL_PROD,
+            ReduceOp.MAX: nccl.NCCL_MAX,
+            ReduceOp.MIN: nccl.NCCL_MIN,
+        }
+        if self.nccl_version >= _NCCL_2_10:
+            self._ops[ReduceOp.AVG] = getattr(nccl, "NCCL_AVG", _NCCL_AVG)
+        uid = self._exchange_unique_id(launch, timeout)
+        with cupy.cuda.Device(dev.index):
+            self._comm: Any = nccl.NcclCommunicator(launch.world_size, uid, launch.rank)
+        self._token = torch.zeros(1, device=dev)
+        log.debug("cupy-nccl rank %d/%d on %s, NCCL %d", self.rank, self.world_size, dev,
+                  self.nccl_version)
+
+    # ------------------------------------------------------------------ set-up
+    def _dtype_table(self, nccl: Any) -> dict[torch.dtype, int]:
+        table = {
+            torch.int8: nccl.NCCL_INT8,
+            torch.uint8: nccl.NCCL_UINT8,
+            torch.int32: nccl.NCCL_INT32,
+            torch.int64: nccl.NCCL_INT64,
+            torch.float16: nccl.NCCL_FLOAT16,
+            torch.float32: nccl.NCCL_FLOAT32,
+            torch.float64: nccl.NCCL_FLOAT64,
+        }
+        if self.nccl_version >= _NCCL_2_10:
+            table[torch.bfloat16] = getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16)
+        return table
+
+    def _exchange_unique_id(self, launch: LaunchInfo, timeout: float | None) -> Any:
+        """Rank 0's ``nccl.get_unique_id()`` on every rank: over MPI under an MPI launcher."""
+        nccl = self._nccl_mod
+        if launch.launcher.is_mpi and importlib.util.find_spec("mpi4py") is not None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD
+            if comm.Get_size() != launch.world_size or comm.Get_rank() != launch.rank:
+                raise RuntimeError(
+                    f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the launcher's "
+                    f"environment says {launch.rank} of {launch.world_size}"
+                )
+            uid, error = None, None
+            if launch.rank == 0:
+                try:
+                    uid = nccl.get_unique_id()
+                except Exception as exc:  # noqa: BLE001 - every rank must learn of the failure
+                    error = f"rank 0 could not make an NCCL unique id: {exc}"
+            uid, error = comm.bcast((uid, error), root=0)
+            if error is not None:
+                raise RuntimeError(error)
+            return uid
+        if launch.world_size == 1:
+            return nccl.get_unique_id()
+        store = create_store(launch, timeout, self.backend)
+        if launch.rank == 0:
+            uid_bytes = pickle.dumps(nccl.get_unique_id())
+            store.set("nccl_unique_id", uid_bytes)  # type: ignore[arg-type]  # bytes work
+        # The store is this job's own (same trust as mpi4py's pickled bcast).
+        return pickle.loads(store.get("nccl_unique_id"))
+
+    # ------------------------------------------------------------------ capability
+    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+        dev = self.device if device is None else torch.device(device)
+        support = nccl_support(dtype, dev, self.backend)
+        if support.is_supported and dtype not in self._dtypes:  # bfloat16 before NCCL 2.10
+            return Support(
+                SupportLevel.UNSUPPORTED, f"NCCL {self.nccl_version} cannot reduce {dtype}"
+            )
+        return support
+
+    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> None:
+        super()._check_tensor(tensor, opname, reduction=reduction)
+        if isinstance(tensor, torch.Tensor):  # always, after the base class's checks
+            check_same_device(tensor, self.device, opname)
+
+    # ------------------------------------------------------------------ collectives
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
+        comm = self._live()
+        stream = torch.cuda.current_stream(self.device)
+        nccl_op = self._ops.get(op, self._ops[ReduceOp.SUM])  # AVG on NCCL < 2.10: SUM + div
+        ptr = tensor.data_ptr()
+        with torch.cuda.device(self.device):
+            comm.allReduce(
+                ptr, ptr, tensor.numel(), self._dtypes[tensor.dtype], nccl_op, stream.cuda_stream
+            )
+            if op not in self._ops:
+                tensor.div_(self.world_size)
+        return self._record(stream, description)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
+        comm = self._live()
+        stream = torch.cuda.current_stream(self.device)
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        with torch.cuda.device(self.device):
+            comm.broadcast(ptr, ptr, nbytes, self._nccl_mod.NCCL_UINT8, src, stream.cuda_stream)
+        return self._record(stream, description)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
+        comm = self._live()
+        stream = torch.cuda.current_stream(self.device)
+        nbytes = input.numel() * input.element_size()
+        with torch.cuda.device(self.device):
+            comm.allGather(
+                input.data_ptr(), output.data_ptr(), nbytes, self._nccl_mod.NCCL_UINT8,
+                stream.cuda_stream,
+            )
+        return self._record(stream, description)
+
+    def _barrier(self, description: str) -> Work:
+        return self._all_reduce(self._token, ReduceOp.SUM, description)
+
+    def _close(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            comm.destroy()
+
+    # ------------------------------------------------------------------ helpers
+    def _live(self) -> Any:
+        if self._comm is None:
+            raise RuntimeError("cupy-nccl communicator was aborted after a timed-out collective")
+        return self._comm
+
+    def _record(self, stream: torch.cuda.Stream, description: str) -> Work:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return CudaEventWork(event, description, self.timeout, self._check_async, self._abort)
+
+    def _check_async(self) -> None:
+        comm = self._comm
+        if comm is not None:
+            comm.check_async_error()  # raises cupy's NcclError (a RuntimeError)
+
+    def _abort(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            log.error("cupy-nccl rank %d: a collective timed out; aborting NCCL", self.rank)
+            comm.abort()
