@@ -211,9 +211,10 @@ class DeviceBufferAdapter:
         cuda_aware: whether MPI takes device pointers (see :func:`cuda_aware_mpi`).
         synchronize: called with no arguments before MPI may read a buffer; default
             ``torch.cuda.current_stream(tensor.device).synchronize()`` (nothing for CPU tensors).
-        to_array: CUDA-aware path only: ``to_array(tensor) -> array`` exposing
-            ``__cuda_array_interface__`` over the tensor's memory; default :func:`cupy_array`.
-            Tests pass a fake array over host memory.
+        to_array: CUDA-aware path only: ``to_array(wire) -> array`` exposing
+            ``__cuda_array_interface__`` over the memory of ``wire`` (the tensor's
+            :func:`wire_view`: 1-D, bfloat16 as int16); default :func:`cupy_array`. Tests pass a
+            fake array over host memory.
 
     Protocol, per collective: ``buf, finish = adapter.prepare(tensor)``; start the MPI operation on
     ``buf``; after it completes (``Wait``), call ``finish()`` exactly once before the tensor is
@@ -269,7 +270,7 @@ class DeviceBufferAdapter:
             raise ValueError("prepare expects a contiguous tensor (copy it first)")
         self._sync(tensor)
         if self._cuda_aware:
-            return self._to_array(tensor), _noop
+            return self._to_array(wire_view(tensor)), _noop
         return self._stage(tensor, read=read, write=write)
 
     def _sync(self, tensor: torch.Tensor) -> None:
