@@ -9,6 +9,8 @@ Quick start::
     optimizer.step()
 """
 
+import logging
+
 __version__ = "0.1.0"
 
 from .comm import (
@@ -26,6 +28,11 @@ from .comm import (
     init,
     register_backend,
 )
+from . import profiler
+
+# A library logs, it does not print; the application decides where records go (logging HOWTO,
+# "Configuring Logging for a Library").
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "__version__",
@@ -42,4 +49,5 @@ __all__ = [
     "CollectiveTimeoutError",
     "BackendUnavailableError",
     "SlowPathWarning",
+    "profiler",
 ]

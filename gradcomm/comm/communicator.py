@@ -12,14 +12,33 @@ from __future__ import annotations
 
 import abc
 import itertools
-from typing import ClassVar
+from collections.abc import Callable
+from typing import ClassVar, Protocol
 
 import torch
 
 from .types import ReduceOp, Support
 from .work import CompletedWork, Work
 
-__all__ = ["Communicator"]
+__all__ = ["Communicator", "CollectiveObserver"]
+
+
+class CollectiveObserver(Protocol):
+    """Told of every collective a :class:`Communicator` issues (e.g. :mod:`gradcomm.profiler`).
+
+    Attach one as ``comm.profiler``; ``None`` (the default) costs one attribute test per call.
+    """
+
+    def collective_started(
+        self, op: str, tensor: torch.Tensor | None, label: str | None, async_op: bool
+    ) -> Callable[[], None]:
+        """Called just before the transport starts ``op`` on contiguous ``tensor`` (the output
+        for ``all_gather``, None for ``barrier``); returns a function run once at completion."""
+        ...
+
+    def communicator_closed(self) -> None:
+        """Called once by :meth:`Communicator.close`, after the transport is released."""
+        ...
 
 
 class Communicator(abc.ABC):
@@ -73,6 +92,8 @@ class Communicator(abc.ABC):
         self._timeout = timeout
         self._closed = False
         self._seq = itertools.count()
+        #: Optional :class:`CollectiveObserver` told of every collective (None: off).
+        self.profiler: CollectiveObserver | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -148,6 +169,11 @@ class Communicator(abc.ABC):
             return CompletedWork()
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         desc = self._describe("all_reduce", buf, op.name if label is None else f"{op.name} {label}")
+        done = (
+            None
+            if self.profiler is None
+            else self.profiler.collective_started("all_reduce", buf, label, async_op)
+        )
         if op in self.native_reduce_ops:
             work = self._all_reduce(buf, op, desc)
         elif op is ReduceOp.AVG:
@@ -156,6 +182,8 @@ class Communicator(abc.ABC):
             work.add_callback(lambda: buf.div_(world_size))
         else:  # pragma: no cover - a backend that lacks SUM is a programming error
             raise TypeError(f"{self.backend} backend does not support {op}")
+        if done is not None:
+            work.add_callback(done)
         if buf is not tensor:
             work.add_callback(lambda: tensor.copy_(buf))
         return self._finish(work, async_op)
@@ -181,7 +209,14 @@ class Communicator(abc.ABC):
         if self._world_size == 1 or tensor.numel() == 0:
             return CompletedWork()
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        done = (
+            None
+            if self.profiler is None
+            else self.profiler.collective_started("broadcast", buf, None, async_op)
+        )
         work = self._broadcast(buf, src, self._describe("broadcast", buf, f"src={src}"))
+        if done is not None:
+            work.add_callback(done)
         if buf is not tensor:
             work.add_callback(lambda: tensor.copy_(buf))
         return self._finish(work, async_op)
@@ -214,7 +249,14 @@ class Communicator(abc.ABC):
             return CompletedWork()
         src = input if input.is_contiguous() else input.contiguous()
         out = output if output.is_contiguous() else output.contiguous()
+        done = (
+            None
+            if self.profiler is None
+            else self.profiler.collective_started("all_gather", out, None, async_op)
+        )
         work = self._all_gather(out.view(-1), src.view(-1), self._describe("all_gather", src, ""))
+        if done is not None:
+            work.add_callback(done)
         if out is not output:
             work.add_callback(lambda: output.copy_(out))
         return self._finish(work, async_op)
@@ -229,13 +271,23 @@ class Communicator(abc.ABC):
         self._check_open()
         if self._world_size == 1:
             return
-        self._barrier(f"barrier #{next(self._seq)} ({self.backend})").wait()
+        done = (
+            None
+            if self.profiler is None
+            else self.profiler.collective_started("barrier", None, None, False)
+        )
+        work = self._barrier(f"barrier #{next(self._seq)} ({self.backend})")
+        if done is not None:
+            work.add_callback(done)
+        work.wait()
 
     def close(self) -> None:
         """Release the transport's resources; later collectives raise RuntimeError. Idempotent."""
         if not self._closed:
             self._closed = True
             self._close()
+            if self.profiler is not None:
+                self.profiler.communicator_closed()
 
     def __enter__(self) -> Communicator:
         return self

@@ -7,6 +7,7 @@ rule: ``nccl`` when CUDA is available and registered as usable, else ``gloo``. T
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ from .launcher import LaunchInfo, detect_launch
 from .registry import available_backends, create_communicator, normalize_backend_name
 
 __all__ = ["init", "select_backend", "resolve_timeout", "BackendChoice", "DEFAULT_TIMEOUT"]
+
+logger = logging.getLogger(__name__)
 
 #: Default collective timeout in seconds.
 DEFAULT_TIMEOUT = 300.0
@@ -98,13 +101,16 @@ def init(
             environment (torchrun, mpirun/mpiexec, srun), else a single process.
         device: device of the tensors to reduce; default the backend's (cpu for gloo and mpi,
             ``cuda:local_rank`` for nccl and cupy-nccl). ``"cuda"`` with mpi passes GPU buffers.
-        env: environment to read (default os.environ).
+        env: environment to read (default os.environ). ``GRADCOMM_PROFILE=1`` attaches a
+            :mod:`gradcomm.profiler` that writes a Chrome trace per rank when the communicator is
+            closed (or at exit) into ``GRADCOMM_PROFILE_DIR`` (default: the working directory).
 
     Returns:
         A :class:`~gradcomm.comm.Communicator`; use it as a context manager or call ``close()``.
 
     Raises:
-        ValueError: unknown backend name (the message lists the known ones), bad timeout or ranks.
+        ValueError: unknown backend name (the message lists the known ones), bad timeout or
+            ranks, or a ``GRADCOMM_PROFILE`` value that is neither on nor off.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed.
@@ -113,4 +119,16 @@ def init(
     choice = select_backend(backend, env)
     seconds = resolve_timeout(timeout, env)
     launch: LaunchInfo = detect_launch(env, rank=rank, world_size=world_size, local_rank=local_rank)
-    return create_communicator(choice.name, launch, seconds, device)
+    from ..profiler import attach_from_env, profile_requested  # lazy: comm does not need it
+
+    profiling = profile_requested(env)  # a bad value raises before any rendezvous
+    logger.debug(
+        "init: backend %s (%s), rank %d/%d, local_rank %d, launcher %s, timeout %.1f s",
+        choice.name, choice.reason, launch.rank, launch.world_size, launch.local_rank,
+        launch.launcher.value, seconds,
+    )
+    comm = create_communicator(choice.name, launch, seconds, device)
+    logger.debug("init: created %r", comm)
+    if profiling:
+        attach_from_env(comm, env)
+    return comm
