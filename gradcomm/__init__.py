@@ -28,6 +28,7 @@ from .comm import (
     init,
     register_backend,
 )
+from .hooks import CommHook, GradientReducer, apply_gradient_allreduce
 from . import profiler
 
 # A library logs, it does not print; the application decides where records go (logging HOWTO,
@@ -49,5 +50,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "BackendUnavailableError",
     "SlowPathWarning",
+    "GradientReducer",
+    "apply_gradient_allreduce",
+    "CommHook",
     "profiler",
 ]

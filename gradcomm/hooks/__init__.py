@@ -1,0 +1,37 @@
+"""gradcomm.hooks: the gradient hook manager and its comm hooks.
+
+:class:`GradientReducer` averages gradients across ranks during ``loss.backward()``;
+:func:`apply_gradient_allreduce` is the old one-call entry point; :mod:`.comm_hooks` holds the
+ways a bucket can be summed (plain all-reduce, fp16/bf16 compression, or your own).
+"""
+
+from .comm_hooks import (
+    CommHook,
+    CommHookFn,
+    GradBucket,
+    allreduce_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+    resolve_comm_hook,
+)
+from .reducer import BucketInfo, GradientReducer, apply_gradient_allreduce, default_predivide_factor
+
+__all__ = [
+    "GradientReducer",
+    "BucketInfo",
+    "apply_gradient_allreduce",
+    "default_predivide_factor",
+    "CommHook",
+    "CommHookFn",
+    "GradBucket",
+    "allreduce_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "compress_wrapper",
+    "fp16_compress_wrapper",
+    "bf16_compress_wrapper",
+    "resolve_comm_hook",
+]

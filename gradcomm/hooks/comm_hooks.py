@@ -1,0 +1,266 @@
+"""Communication hooks: how one bucket of gradients is summed across ranks.
+
+In the style of PyTorch's ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``: a hook is a
+small pure function ``hook(state, bucket) -> Work`` that starts an asynchronous reduction of
+``bucket.buffer()`` and returns its :class:`~gradcomm.comm.Work`. After ``Work.wait()`` the buffer
+must hold the element-wise **sum** over ranks; the :class:`~gradcomm.hooks.GradientReducer` does the
+averaging itself (pre-divide before the hook, post-divide after the wait), so hooks never divide.
+``state`` is whatever was given to ``register_comm_hook`` (default: the reducer's communicator).
+
+Built-in hooks, selectable by :class:`CommHook` member, by its name, or as the functions below:
+
+==================  =====================================================================
+``allreduce``        :func:`allreduce_hook`: one all-reduce (SUM) of the bucket as it is.
+``fp16_compress``    :func:`fp16_compress_hook`: cast to float16, all-reduce, cast back.
+``bf16_compress``    :func:`bf16_compress_hook`: cast to bfloat16, all-reduce, cast back.
+==================  =====================================================================
+
+Accumulation dtype of the compression hooks: the sum is computed by the transport in the wire dtype
+(float16 or bfloat16) -- gloo adds 16-bit values element by element, rounding each partial sum to the
+wire dtype; a backend whose ``supports(dtype).transfer_dtype`` is wider (e.g. an MPI backend that
+upcasts to float32) accumulates in that wider dtype. The result is then cast back to the bucket's
+dtype. The reducer's pre-divide (see :func:`~gradcomm.hooks.default_predivide_factor`) keeps float16
+partial sums in range, "to avoid overflow" as the DDP fp16 hook puts it.
+
+The bucket buffer ends with one presence flag per parameter (1 where this rank has a gradient for it,
+else 0) so that a parameter without a gradient on every rank keeps ``grad=None`` without a second
+collective; a custom hook must sum those flags with the gradients (any reduction of the whole buffer
+to a float dtype does, as 0/1 flags and their counts are exact there).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeAlias
+
+import torch
+
+from ..comm.communicator import Communicator
+from ..comm.errors import SlowPathWarning
+from ..comm.types import ReduceOp
+from ..comm.work import Work
+
+__all__ = [
+    "GradBucket",
+    "CommHookFn",
+    "CommHook",
+    "allreduce_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "compress_wrapper",
+    "fp16_compress_wrapper",
+    "bf16_compress_wrapper",
+    "resolve_comm_hook",
+    "warn_if_slow",
+]
+
+logger = logging.getLogger("gradcomm.hooks")
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """One bucket as a comm hook sees it (mirrors ``torch.distributed.GradBucket``'s accessors).
+
+    Attributes:
+        bucket_index: index of the bucket; buckets are reduced in increasing index order.
+        flat: 1-D contiguous tensor of ``numel + len(params)`` elements, the bucket's dtype and
+            device: the (pre-divided) gradients, then one presence flag per parameter.
+        numel: number of gradient elements at the front of ``flat``.
+        params: the bucket's parameters, in the order their gradients lie in ``flat``.
+        param_names: their names (``module.named_parameters()`` names, or ``params.<i>``).
+        last: True for the bucket with the highest index.
+    """
+
+    bucket_index: int
+    flat: torch.Tensor
+    numel: int
+    params: tuple[torch.Tensor, ...]
+    param_names: tuple[str, ...]
+    last: bool
+
+    def index(self) -> int:
+        """Index of this bucket (0 is reduced first)."""
+        return self.bucket_index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat tensor the hook must replace with its element-wise sum over ranks."""
+        return self.flat
+
+    def gradients(self) -> torch.Tensor:
+        """The gradient part of :meth:`buffer` (a view of its first ``numel`` elements)."""
+        return self.flat[: self.numel]
+
+    def parameters(self) -> tuple[torch.Tensor, ...]:
+        """The bucket's parameters, in buffer order."""
+        return self.params
+
+    def is_last(self) -> bool:
+        """True for the last bucket reduced in a backward pass."""
+        return self.last
+
+    def label(self) -> str:
+        """Short text naming the bucket and its first parameters, for messages."""
+        names = ", ".join(self.param_names[:3])
+        more = f" and {len(self.param_names) - 3} more" if len(self.param_names) > 3 else ""
+        return f"bucket {self.bucket_index} ({names}{more})"
+
+    def with_buffer(self, flat: torch.Tensor) -> GradBucket:
+        """A copy of this bucket whose buffer is ``flat`` (e.g. a compressed copy)."""
+        return replace(self, flat=flat)
+
+
+#: Signature of a comm hook: ``hook(state, bucket) -> Work``.
+CommHookFn: TypeAlias = Callable[[Any, GradBucket], Work]
+
+_warned: set[tuple[str, torch.dtype, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_if_slow(comm: Communicator, dtype: torch.dtype, device: torch.device) -> None:
+    """Issue one :class:`~gradcomm.SlowPathWarning` per (backend, dtype, device) per process.
+
+    Warns when ``comm.supports(dtype, device).is_slow``; later calls with the same key are silent,
+    whatever the :mod:`warnings` filters say (filter the category to silence the first one).
+    """
+    key = (comm.backend, dtype, str(device))
+    if key in _warned:
+        return
+    support = comm.supports(dtype, device)
+    if not support.is_slow:
+        return
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        f"gradcomm: {comm.backend} reduces {dtype} buckets on {device} through a slow path: "
+        f"{support.reason}",
+        SlowPathWarning,
+        stacklevel=2,
+    )
+
+
+def _then(work: Work, fn: Callable[[], None]) -> Work:
+    """Run ``fn`` once ``work`` is complete (now, if it already is)."""
+    if work.is_completed():
+        fn()
+    else:
+        work.add_callback(fn)
+    return work
+
+
+def allreduce_hook(comm: Communicator, bucket: GradBucket) -> Work:
+    """Start one asynchronous all-reduce (SUM) of ``bucket.buffer()`` in place; return its Work."""
+    flat = bucket.buffer()
+    warn_if_slow(comm, flat.dtype, flat.device)
+    return comm.all_reduce(flat, ReduceOp.SUM, async_op=True, label=bucket.label())
+
+
+def compress_wrapper(hook: CommHookFn, dtype: torch.dtype) -> CommHookFn:
+    """Wrap ``hook`` so that it reduces a copy of the bucket cast to ``dtype``.
+
+    The wrapped hook casts ``bucket.buffer()`` to ``dtype`` (compress), runs ``hook`` on that copy,
+    and once its Work completes casts the result back into the original buffer (decompress), as
+    Horovod's ``Compressor.compress``/``decompress`` and torch's ``fp16_compress_wrapper`` do. A
+    bucket already of ``dtype`` is passed through unchanged.
+
+    Raises:
+        TypeError: ``dtype`` is not a floating-point dtype.
+    """
+    if not dtype.is_floating_point:
+        raise TypeError(f"compression dtype must be floating-point, got {dtype}")
+
+    def compressed_hook(state: Any, bucket: GradBucket) -> Work:
+        flat = bucket.buffer()
+        if flat.dtype == dtype:
+            return hook(state, bucket)
+        wire = flat.to(dtype)
+        work = hook(state, bucket.with_buffer(wire))
+        return _then(work, lambda: flat.copy_(wire))
+
+    compressed_hook.__name__ = f"{getattr(hook, '__name__', 'hook')}_{_DTYPE_NAMES[dtype]}"
+    compressed_hook.__doc__ = f"Run {compressed_hook.__name__[:-5]} on a {dtype} copy of the bucket."
+    return compressed_hook
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                torch.float64: "fp64"}
+
+
+def fp16_compress_wrapper(hook: CommHookFn) -> CommHookFn:
+    """``compress_wrapper(hook, torch.float16)``: run ``hook`` on a float16 copy of the bucket."""
+    return compress_wrapper(hook, torch.float16)
+
+
+def bf16_compress_wrapper(hook: CommHookFn) -> CommHookFn:
+    """``compress_wrapper(hook, torch.bfloat16)``: run ``hook`` on a bfloat16 copy of the bucket."""
+    return compress_wrapper(hook, torch.bfloat16)
+
+
+fp16_compress_hook: CommHookFn = fp16_compress_wrapper(allreduce_hook)
+fp16_compress_hook.__name__ = "fp16_compress_hook"
+fp16_compress_hook.__doc__ = (
+    "Cast the bucket to float16, all-reduce (SUM, accumulated in float16 on gloo), cast back."
+)
+bf16_compress_hook: CommHookFn = bf16_compress_wrapper(allreduce_hook)
+bf16_compress_hook.__name__ = "bf16_compress_hook"
+bf16_compress_hook.__doc__ = (
+    "Cast the bucket to bfloat16, all-reduce (SUM, accumulated in bfloat16 on gloo), cast back."
+)
+
+
+class CommHook(enum.Enum):
+    """The built-in comm hooks, selectable by member or by (case-insensitive) name."""
+
+    ALLREDUCE = "allreduce"
+    FP16_COMPRESS = "fp16_compress"
+    BF16_COMPRESS = "bf16_compress"
+
+    @property
+    def hook(self) -> CommHookFn:
+        """The hook function of this member."""
+        return _BUILTIN[self]
+
+    @classmethod
+    def coerce(cls, value: CommHook | str) -> CommHook:
+        """Return ``value`` as a member; accepts the member or its name.
+
+        Raises:
+            ValueError: unknown name (the message lists the known ones).
+            TypeError: neither a :class:`CommHook` nor a string.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower().replace("-", "_"))
+            except ValueError:
+                known = ", ".join(m.value for m in cls)
+                raise ValueError(f"unknown comm hook {value!r}; known: {known}") from None
+        raise TypeError(f"comm hook must be a CommHook, str or callable, got {type(value).__name__}")
+
+
+_BUILTIN: dict[CommHook, CommHookFn] = {
+    CommHook.ALLREDUCE: allreduce_hook,
+    CommHook.FP16_COMPRESS: fp16_compress_hook,
+    CommHook.BF16_COMPRESS: bf16_compress_hook,
+}
+
+
+def resolve_comm_hook(hook: CommHook | str | CommHookFn) -> CommHookFn:
+    """Turn a :class:`CommHook`, its name, or a callable into a hook function (once, at the edge).
+
+    Raises:
+        ValueError: unknown name. TypeError: not a CommHook, string or callable.
+    """
+    if isinstance(hook, (CommHook, str)):
+        return CommHook.coerce(hook).hook
+    if callable(hook):
+        return hook
+    raise TypeError(f"comm hook must be a CommHook, str or callable, got {type(hook).__name__}")
+

@@ -1,0 +1,630 @@
+"""The gradient hook manager: bucket, flatten, all-reduce, average and write back gradients.
+
+How one backward pass is reduced (the algorithm of torch DDP's reducer, in Python):
+
+1. At construction, trainable parameters (tied ones once, frozen ones skipped) are grouped by
+   (device, dtype) into buckets, filled in reverse registration order -- roughly the order backward
+   produces their gradients -- the first one capped at ``first_bucket_cap_mb``, the others at
+   ``bucket_cap_mb``. Each bucket owns one persistent flat buffer, allocated once.
+2. A post-accumulate-grad hook on each parameter marks it ready. When every parameter of the
+   lowest-index bucket not yet launched is ready, that bucket is pre-divided and its comm hook
+   (an async all-reduce by default) is started; buckets are launched strictly in index order, so
+   every rank issues the same collectives in the same order.
+3. The first hook of a backward pass queues one end-of-backward callback on the autograd engine. It
+   launches the remaining buckets (parameters with no gradient on this rank count as zeros), waits
+   for every bucket in order, post-divides and writes the averages back, so ``optimizer.step()`` after
+   ``loss.backward()`` sees averaged gradients.
+
+Presence of gradients: each bucket's buffer carries one flag per parameter (1 when this rank has a
+gradient for it) that is summed with the gradients by the same collective. A parameter whose flag
+sums to 0 had no gradient on any rank and keeps ``grad=None``; no extra collective is needed.
+
+Nested backward passes (reentrant activation checkpointing) run their own autograd graph task; a
+callback that fires at the end of such an inner task defers itself to the end of the outer one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..comm.communicator import Communicator
+from ..comm.errors import CollectiveTimeoutError
+from ..comm.work import Work
+from ._sync import broadcast_tensors, check_fingerprint
+from .comm_hooks import CommHook, CommHookFn, GradBucket, resolve_comm_hook, warn_if_slow
+
+__all__ = [
+    "GradientReducer",
+    "BucketInfo",
+    "apply_gradient_allreduce",
+    "default_predivide_factor",
+]
+
+logger = logging.getLogger("gradcomm.hooks")
+
+_MIB = 2**20
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _queue_engine_callback(fn: Any) -> None:
+    # torch has no public API to run code when a backward pass ends (the proposal to expose
+    # torch.autograd.graph.queue_callback, pytorch#193958, was not merged); torch DDP and FSDP use
+    # this same engine method.
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+def _current_autograd_node() -> Any:
+    # The node the autograd engine is running on this thread, None outside a backward pass. Used
+    # to tell the end of a nested (reentrant) backward from the end of the outermost one.
+    return torch._C._current_autograd_node()
+
+
+def default_predivide_factor(world_size: int, dtype: torch.dtype) -> float:
+    """The pre-divide factor used when ``gradient_predivide_factor`` is None.
+
+    Gradients are divided by the pre-divide factor before the sum and by
+    ``world_size / predivide`` after it (their product is ``world_size``), the scheme of Horovod's
+    ``gradient_predivide_factor`` and of DDP's fp16 hooks, which divide before summing "to avoid
+    overflow".
+
+    * float16 / bfloat16: the largest power of two <= sqrt(world_size), but at least 2 -- about
+      the square root, which balances overflow of the sum against underflow of the parts, and a power
+      of two, so the division itself is exact (no rounding unless the result is subnormal). Two ranks
+      of 40000 in fp16 sum to 40000 (not inf); 8 ranks of 1e-7 average to 1.19e-7 (not 0).
+    * wider dtypes: ``world_size`` (one division, before the sum, as DDP does; fp32 has the range).
+
+    Raises:
+        ValueError: ``world_size < 1``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size == 1:
+        return 1.0
+    if dtype in _HALF:
+        return float(2 ** max(1, int(math.log2(world_size)) // 2))
+    return float(world_size)
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    """Read-only description of one bucket (see :attr:`GradientReducer.buckets`).
+
+    Attributes:
+        index: launch order (0 first, holding the gradients backward produces first).
+        device: device of the flat buffer. dtype: its dtype.
+        numel: number of gradient elements. nbytes: ``numel * element size`` (bytes).
+        param_names: names of its parameters, in buffer order.
+    """
+
+    index: int
+    device: torch.device
+    dtype: torch.dtype
+    numel: int
+    nbytes: int
+    param_names: tuple[str, ...]
+
+
+class _Bucket:
+    """A bucket's persistent state (internal)."""
+
+    def __init__(self, index: int, params: list[tuple[int, str, nn.Parameter]]) -> None:
+        first = params[0][2]
+        self.index = index
+        self.device = first.device
+        self.dtype = first.dtype
+        self.param_ids = [i for i, _, _ in params]
+        self.names = tuple(n for _, n, _ in params)
+        self.params = tuple(p for _, _, p in params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(self.numel + len(self.params), dtype=self.dtype, device=self.device)
+        self.data = self.flat[: self.numel]
+        self.flags = self.flat[self.numel:]
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            # Same strides as the parameter (channels_last stays channels_last), like DDP's views.
+            stride = torch.empty_like(p, device="meta").stride()
+            self.views.append(self.data.as_strided(p.shape, stride, offset))
+            offset += p.numel()
+        self.pending = len(self.params)
+        self.work: Work | None = None
+        self.grad_bucket: GradBucket | None = None
+
+    def info(self) -> BucketInfo:
+        return BucketInfo(self.index, self.device, self.dtype, self.numel,
+                          self.numel * self.flat.element_size(), self.names)
+
+    def label(self) -> str:
+        names = ", ".join(self.names[:3])
+        more = f" and {len(self.names) - 3} more" if len(self.names) > 3 else ""
+        return f"bucket {self.index} ({names}{more})"
+
+
+def _assign_buckets(
+    params: list[tuple[int, str, nn.Parameter]], cap_bytes: int, first_cap_bytes: int
+) -> list[list[tuple[int, str, nn.Parameter]]]:
+    """Group by (device, dtype) in reverse order; close a bucket when it reaches its cap."""
+    open_: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, nn.Parameter]]] = {}
+    size: dict[tuple[torch.device, torch.dtype], int] = {}
+    closed: list[list[tuple[int, str, nn.Parameter]]] = []
+    for entry in reversed(params):
+        p = entry[2]
+        key = (p.device, p.dtype)
+        open_.setdefault(key, []).append(entry)
+        size[key] = size.get(key, 0) + p.numel() * p.element_size()
+        limit = first_cap_bytes if not closed else cap_bytes
+        if size[key] >= limit:
+            closed.append(open_.pop(key))
+            size[key] = 0
+    closed.extend(open_.values())
+    # Launch order: the bucket whose first gradient comes first (highest registration index).
+    closed.sort(key=lambda b: -b[0][0])
+    return closed
+
+
+def _named_params(
+    module_or_params: nn.Module | Iterable[Any],
+) -> tuple[nn.Module | None, list[tuple[str, torch.Tensor]]]:
+    if isinstance(module_or_params, nn.Module):
+        return module_or_params, list(module_or_params.named_parameters())
+    if isinstance(module_or_params, torch.Tensor):
+        raise TypeError("pass an nn.Module or an iterable of parameters, not a single tensor")
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for i, item in enumerate(module_or_params):
+        if isinstance(item, dict):
+            raise TypeError("parameter groups (dicts) are not supported; pass the parameters")
+        name, p = item if isinstance(item, tuple) else (f"params.{i}", item)
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} is a {type(p).__name__}, not a torch.Tensor")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((str(name), p))
+    return None, out
+
+
+class GradientReducer:
+    """Average gradients across ranks during ``loss.backward()``, overlapped with the backward pass.
+
+    Args:
+        module_or_params: an ``nn.Module`` (its parameters and buffers are synchronised) or an
+            iterable of parameters or of ``(name, parameter)`` pairs (as Horovod takes them). Tied
+            parameters are reduced once, frozen ones (``requires_grad=False``) are skipped.
+        comm: the communicator; None calls :func:`gradcomm.init`.
+        bucket_cap_mb: cap of each bucket in MiB (2**20 bytes) of gradients (DDP's default 25).
+        first_bucket_cap_mb: cap of bucket 0 in MiB (DDP's 1): small, so the first all-reduce starts
+            early in the backward pass.
+        gradient_as_bucket_view: make each ``param.grad`` a view into its bucket (strides as the
+            parameter's), so no gradient is copied in or out and no memory beyond the buckets is
+            used; ``optimizer.zero_grad(set_to_none=False)`` keeps the views (with set_to_none the
+            next backward copies the fresh gradient in once and re-points ``grad`` at the view).
+        broadcast_buffers: also broadcast the module's buffers from rank 0 before every forward.
+        comm_hook: how a bucket is summed: a :class:`~gradcomm.hooks.CommHook`, its name
+            (``"allreduce"``, ``"fp16_compress"``, ``"bf16_compress"``) or a callable
+            ``hook(state, bucket) -> Work`` (see :mod:`gradcomm.hooks.comm_hooks`).
+        gradient_predivide_factor: divide gradients by this before the sum and by
+            ``world_size / factor`` after it; None: :func:`default_predivide_factor` per bucket dtype.
+        overlap: launch buckets during backward as they fill (True) or all at its end (False, the
+            old end-of-backward algorithm; same values, bit for bit).
+        broadcast_parameters: broadcast parameters and buffers from rank 0 at construction.
+
+    Raises:
+        TypeError: bad argument types; a parameter that will produce sparse gradients
+            (``nn.Embedding(sparse=True)``) -- named -- or is not a leaf tensor.
+        ValueError: bad caps or factor; parameters on a device the communicator does not serve;
+            the model differs across ranks (raised on every rank, naming the first difference,
+            before any other collective).
+
+    During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
+    collective times out, ``TypeError`` naming a parameter whose gradient is sparse, and
+    ``RuntimeError`` when a parameter or buffer was replaced on the module after wrapping or a
+    gradient was accumulated again after its bucket was sent (reentrant checkpointing of a
+    parameter also used outside the checkpointed region: use ``use_reentrant=False``).
+    """
+
+    def __init__(
+        self,
+        module_or_params: nn.Module | Iterable[Any],
+        comm: Communicator | None = None,
+        *,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        gradient_as_bucket_view: bool = False,
+        broadcast_buffers: bool = False,
+        comm_hook: CommHook | str | CommHookFn = CommHook.ALLREDUCE,
+        gradient_predivide_factor: float | None = None,
+        overlap: bool = True,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        for name, cap in (("bucket_cap_mb", bucket_cap_mb),
+                          ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+                raise TypeError(f"{name} must be a number of MiB, got {type(cap).__name__}")
+            if not math.isfinite(cap) or cap <= 0:
+                raise ValueError(f"{name} must be a positive number of MiB, got {cap}")
+        if gradient_predivide_factor is not None:
+            f = gradient_predivide_factor
+            if isinstance(f, bool) or not isinstance(f, (int, float)):
+                raise TypeError(f"gradient_predivide_factor must be a number, got {type(f).__name__}")
+            if not math.isfinite(f) or f <= 0:
+                raise ValueError(f"gradient_predivide_factor must be positive and finite, got {f}")
+        hook_fn = resolve_comm_hook(comm_hook)
+        if comm is None:
+            from ..comm.selection import init
+
+            comm = init()
+        elif not isinstance(comm, Communicator):
+            raise TypeError(f"comm must be a gradcomm Communicator, got {type(comm).__name__}")
+        self._comm = comm
+        self._module, named = _named_params(module_or_params)
+        self._view = bool(gradient_as_bucket_view)
+        self._broadcast_buffers = bool(broadcast_buffers)
+        self._overlap = bool(overlap)
+        self._predivide_arg = gradient_predivide_factor
+        self._hook: CommHookFn = hook_fn
+        self._hook_state: Any = comm
+
+        # ---- parameters: trainable, deduplicated, checked
+        sparse_names = self._sparse_param_names()
+        trainable: list[tuple[int, str, nn.Parameter]] = []
+        for name, p in named:
+            if not p.requires_grad:
+                continue
+            if not p.is_leaf:
+                raise TypeError(f"parameter {name} is not a leaf tensor; gradients of non-leaf "
+                                "tensors are not accumulated")
+            if p.layout is not torch.strided:
+                raise TypeError(f"parameter {name} is not a dense (strided) tensor")
+            if name in sparse_names:
+                raise TypeError(f"parameter {name} produces sparse gradients (sparse=True), which "
+                                "gradcomm does not reduce; construct the module with sparse=False")
+            if p.device.type != comm.device.type:
+                raise ValueError(f"parameter {name} is on {p.device}, but the {comm.backend} "
+                                 f"communicator reduces tensors on {comm.device}")
+            trainable.append((len(trainable), name, p))  # type: ignore[arg-type]
+        self._params = [p for _, _, p in trainable]
+        self._names = [n for _, n, _ in trainable]
+        buffers = list(self._module.named_buffers()) if self._module is not None else []
+
+        # ---- ranks agree on the model (first collective), then on its state
+        entries = [f"param {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+                   for n, p in named]
+        entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
+        check_fingerprint(comm, entries)
+        if broadcast_parameters:
+            broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
+
+        # ---- buckets
+        groups = _assign_buckets(trainable, int(bucket_cap_mb * _MIB),
+                                 int(first_bucket_cap_mb * _MIB))
+        self._buckets = [_Bucket(i, g) for i, g in enumerate(groups)]
+        self._loc: list[tuple[int, int]] = [(0, 0)] * len(self._params)
+        for b in self._buckets:
+            for slot, pid in enumerate(b.param_ids):
+                self._loc[pid] = (b.index, slot)
+            b.grad_bucket = GradBucket(b.index, b.flat, b.numel, b.params, b.names,
+                                       b.index == len(self._buckets) - 1)
+        self._pre = [self._factors(b.dtype)[0] for b in self._buckets]
+        self._post = [self._factors(b.dtype)[1] for b in self._buckets]
+
+        # ---- what to watch for replacement after wrapping
+        self._owners: list[tuple[str, dict[str, Any], str, torch.Tensor]] = []
+        if self._module is not None:
+            self._owners = self._ownership()
+
+        # ---- per-backward state
+        self._require_sync = True
+        self._epoch_active = False
+        self._ready = [False] * len(self._params)
+        self._next = 0  # next bucket to launch
+        self._polled = 0  # buckets below this index have completed
+        self._removed = False
+
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
+            for i, p in enumerate(self._params)
+        ]
+        if self._module is not None:
+            self._handles.append(self._module.register_forward_pre_hook(self._on_forward))
+        logger.debug("GradientReducer: %d params in %d buckets on %s", len(self._params),
+                     len(self._buckets), comm)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def module(self) -> nn.Module | None:
+        """The wrapped module (None when constructed from parameters)."""
+        return self._module
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator the gradients are reduced over."""
+        return self._comm
+
+    @property
+    def buckets(self) -> tuple[BucketInfo, ...]:
+        """One :class:`BucketInfo` per bucket, in launch order."""
+        return tuple(b.info() for b in self._buckets)
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        """Names of the reduced parameters, in registration order."""
+        return tuple(self._names)
+
+    def predivide_factors(self) -> tuple[tuple[float, float], ...]:
+        """``(pre, post)`` divide factors per bucket; ``pre * post == world_size``."""
+        return tuple(zip(self._pre, self._post))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context in which backward passes only accumulate gradients locally.
+
+        The first backward after the context reduces the accumulated sum (DDP's ``no_sync``). The
+        backward must run inside the context for its gradients to stay local.
+        """
+        old = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = old
+
+    def register_comm_hook(self, hook: CommHook | str | CommHookFn, state: Any = None) -> None:
+        """Replace how buckets are summed (see :mod:`gradcomm.hooks.comm_hooks`).
+
+        Args:
+            hook: a :class:`CommHook`, its name, or a callable ``hook(state, bucket) -> Work``.
+            state: first argument of the hook; None passes the communicator.
+
+        Raises:
+            ValueError/TypeError: unknown hook name or type. RuntimeError: a backward is in flight.
+        """
+        if self._epoch_active:
+            raise RuntimeError("cannot change the comm hook while a backward pass is being reduced")
+        self._hook = resolve_comm_hook(hook)
+        self._hook_state = self._comm if state is None else state
+
+    def synchronize(self) -> None:
+        """Wait for every bucket in flight and write the averaged gradients back.
+
+        ``loss.backward()`` already does this at its end; call it before reading gradients when a
+        backward pass ended abnormally, or (as with Horovod) to be explicit before clipping.
+        """
+        if self._epoch_active:
+            self._finish_epoch()
+
+    def remove(self) -> None:
+        """Detach every hook; later backward passes leave gradients local. Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._removed = True
+
+    def __repr__(self) -> str:
+        return (f"<GradientReducer {len(self._params)} params in {len(self._buckets)} buckets, "
+                f"{self._comm.backend} rank {self._comm.rank}/{self._comm.world_size}>")
+
+    # ------------------------------------------------------------------ construction helpers
+    def _factors(self, dtype: torch.dtype) -> tuple[float, float]:
+        ws = self._comm.world_size
+        pre = (default_predivide_factor(ws, dtype) if self._predivide_arg is None
+               else float(self._predivide_arg))
+        return pre, ws / pre
+
+    def _sparse_param_names(self) -> set[str]:
+        if self._module is None:
+            return set()
+        out = set()
+        for mname, m in self._module.named_modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                out.add(f"{mname}.weight" if mname else "weight")
+        return out
+
+    def _ownership(self) -> list[tuple[str, dict[str, Any], str, torch.Tensor]]:
+        assert self._module is not None
+        owners = []
+        watched = {id(p) for p in self._params}
+        for mname, m in self._module.named_modules():
+            prefix = f"{mname}." if mname else ""
+            for local, p in m._parameters.items():
+                if p is not None and id(p) in watched:
+                    owners.append((f"parameter {prefix}{local}", m._parameters, local, p))
+            for local, b in m._buffers.items():
+                if b is not None:
+                    owners.append((f"buffer {prefix}{local}", m._buffers, local, b))
+        return owners
+
+    def _check_unchanged(self) -> None:
+        for what, table, local, obj in self._owners:
+            if table.get(local) is not obj:
+                raise RuntimeError(
+                    f"{what} was replaced on the module after the GradientReducer was built, so "
+                    "its gradient would not be reduced (ranks would drift apart); change the model "
+                    "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+                )
+
+    # ------------------------------------------------------------------ forward
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        outside_backward = _current_autograd_node() is None
+        if self._epoch_active and outside_backward:
+            # The previous backward pass ended with an error before its end-of-backward callback.
+            logger.warning("GradientReducer: the previous backward pass did not finish; "
+                           "discarding its partial reduction")
+            self._abort_epoch()
+        self._check_unchanged()
+        if self._broadcast_buffers and outside_backward:
+            broadcast_tensors(self._comm, [b for _, b in module.named_buffers()])
+
+    # ------------------------------------------------------------------ backward
+    def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
+        if not self._require_sync or self._removed:
+            return
+        grad = param.grad
+        if grad is not None and grad.layout is not torch.strided:
+            raise TypeError(f"parameter {self._names[pid]} has a {grad.layout} gradient; "
+                            "gradcomm reduces dense gradients only (use sparse=False)")
+        if not self._epoch_active:
+            self._begin_epoch()
+        bidx, _ = self._loc[pid]
+        bucket = self._buckets[bidx]
+        if self._ready[pid]:
+            if bucket.work is not None:
+                self._abort_epoch()
+                raise RuntimeError(
+                    f"the gradient of {self._names[pid]} was accumulated again after {bucket.label()} "
+                    "was sent in this backward pass; this happens when a parameter is used both "
+                    "inside and outside a reentrant activation checkpoint (use "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
+                )
+            return
+        self._ready[pid] = True
+        bucket.pending -= 1
+        if self._overlap and bucket.pending == 0 and bidx == self._next:
+            while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+                self._launch(self._buckets[self._next])
+                self._next += 1
+        self._poll()
+
+    def _begin_epoch(self) -> None:
+        self._check_unchanged()
+        self._epoch_active = True
+        _queue_engine_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        node = _current_autograd_node()
+        if node is not None:
+            # End of a nested backward (reentrant checkpoint): run again when the outer node ends.
+            handle: list[RemovableHandle] = []
+
+            def requeue(*_: Any) -> None:
+                handle[0].remove()
+                _queue_engine_callback(self._on_backward_end)
+
+            handle.append(node.register_hook(requeue))
+            return
+        if self._epoch_active:  # synchronize() may have finished it already
+            self._finish_epoch()
+
+    def _poll(self) -> None:
+        # Drive progress of in-flight collectives (MPI progresses only inside MPI calls).
+        while self._polled < self._next:
+            work = self._buckets[self._polled].work
+            if work is None or not work.is_completed():
+                return
+            self._polled += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        pre = self._pre[b.index]
+        absent = []
+        with torch.no_grad():
+            if self._view:
+                for slot, p in enumerate(b.params):
+                    g, v = p.grad, b.views[slot]
+                    if g is None:
+                        v.zero_()
+                        absent.append(slot)
+                    elif g is not v:
+                        v.copy_(g)
+                        p.grad = v
+                if pre != 1.0:
+                    b.data.div_(pre)
+            else:
+                for slot, p in enumerate(b.params):
+                    g, v = p.grad, b.views[slot]
+                    if g is None:
+                        v.zero_()
+                        absent.append(slot)
+                    elif pre != 1.0:
+                        torch.div(g, pre, out=v)
+                    else:
+                        v.copy_(g)
+            b.flags.fill_(1)
+            for slot in absent:
+                b.flags[slot] = 0
+        warn_if_slow(self._comm, b.dtype, b.device)
+        assert b.grad_bucket is not None
+        work = self._hook(self._hook_state, b.grad_bucket)
+        if not isinstance(work, Work):
+            raise TypeError(f"comm hook {getattr(self._hook, '__name__', self._hook)!r} returned "
+                            f"{type(work).__name__}, not a gradcomm Work")
+        b.work = work
+
+    def _finish_epoch(self) -> None:
+        try:
+            while self._next < len(self._buckets):
+                self._launch(self._buckets[self._next])
+                self._next += 1
+            for b in self._buckets:
+                assert b.work is not None
+                try:
+                    b.work.wait()
+                except CollectiveTimeoutError as exc:
+                    raise CollectiveTimeoutError(f"reducing {b.label()}: {exc}") from exc
+                self._write_back(b)
+        except BaseException:
+            self._abort_epoch()
+            raise
+        self._reset_epoch()
+
+    def _write_back(self, b: _Bucket) -> None:
+        post = self._post[b.index]
+        flags = b.flags.tolist()
+        with torch.no_grad():
+            if self._view and post != 1.0:
+                b.data.div_(post)
+            for slot, p in enumerate(b.params):
+                if flags[slot] == 0:
+                    continue  # no gradient on any rank: grad stays None everywhere
+                v, g = b.views[slot], p.grad
+                if self._view:
+                    if g is not v:
+                        p.grad = v
+                elif g is None:
+                    p.grad = torch.div(v, post) if post != 1.0 else v.clone()
+                elif post != 1.0:
+                    torch.div(v, post, out=g)
+                else:
+                    g.copy_(v)
+
+    def _reset_epoch(self) -> None:
+        for b in self._buckets:
+            b.pending = len(b.params)
+            b.work = None
+        self._ready = [False] * len(self._params)
+        self._next = 0
+        self._polled = 0
+        self._epoch_active = False
+
+    def _abort_epoch(self) -> None:
+        # Wait for what was sent (every rank sent the same), so the next step starts clean.
+        for b in self._buckets[: self._next]:
+            if b.work is not None:
+                try:
+                    b.work.wait()
+                except Exception as exc:  # noqa: BLE001 - already failing; keep the first error
+                    logger.warning("GradientReducer: %s failed while aborting: %s", b.label(), exc)
+        self._reset_epoch()
+
+
+def apply_gradient_allreduce(module: nn.Module, comm: Communicator | None = None) -> nn.Module:
+    """Attach gradient averaging to ``module`` and return it (the old NVIDIA entry point).
+
+    Drop-in for the ``apply_gradient_allreduce(module)`` of NVIDIA's tacotron2/waveglow
+    ``distributed.py``: parameters are broadcast from rank 0 and every ``loss.backward()`` ends with
+    averaged gradients. The :class:`GradientReducer` doing it (default options) is stored as
+    ``module.gradient_reducer``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    reducer = GradientReducer(module, comm)
+    object.__setattr__(module, "gradient_reducer", reducer)
+    return module

@@ -1,0 +1,571 @@
+"""GradientReducer logic on the in-process thread backend (fast); values against references.
+
+Each test runs ``world_size`` ranks as threads of this process (``ThreadGroup``), each with its own
+model copy; the reference is one process's gradient on the concatenated global batch.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradcomm
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
+from gradcomm.hooks import GradientReducer, apply_gradient_allreduce, default_predivide_factor
+from mpi_scripts.reducer_common import (
+    batch,
+    eval_bn,
+    flat_grads,
+    global_batch,
+    grads_close,
+    loss_fn,
+    make_model,
+    reference_grads,
+    seeded,
+)
+
+
+def run_ranks(world_size: int, fn: Callable[[ThreadCommunicator], Any],
+              timeout: float = 20.0) -> list[Any]:
+    """Run ``fn(comm)`` on every rank; a rank's exception is returned (not raised)."""
+
+    def body(comm: ThreadCommunicator) -> Any:
+        try:
+            return fn(comm)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return exc
+
+    return ThreadGroup(world_size, timeout=timeout).run(body)
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_identical(results: list[dict[str, torch.Tensor | None]]) -> None:
+    for r in results[1:]:
+        for name, g in results[0].items():
+            other = r[name]
+            assert (g is None) == (other is None), name
+            if g is not None:
+                assert other is not None and torch.equal(g, other), name
+
+
+# ---------------------------------------------------------------------------- core values
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("view", [False, True])
+def test_grads_equal_global_batch_reference(world_size: int, view: bool) -> None:
+    ref = reference_grads(world_size)
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        model = eval_bn(make_model(seed=comm.rank))  # different init per rank: broadcast fixes it
+        GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                        gradient_as_bucket_view=view)
+        loss_fn(model, *batch(comm.rank)).backward()
+        return grads_of(model)
+
+    out = run_ranks(world_size, fn)
+    assert grads_close(out[0], ref) == []
+    assert_identical(out)
+
+
+def test_overlap_equals_end_of_backward_bit_for_bit() -> None:
+    def fn(comm: ThreadCommunicator) -> list[torch.Tensor]:
+        res = []
+        for overlap in (True, False):
+            model = eval_bn(make_model())
+            reducer = GradientReducer(model, comm, bucket_cap_mb=0.002,
+                                      first_bucket_cap_mb=0.0005, overlap=overlap)
+            assert len(reducer.buckets) > 2
+            loss_fn(model, *batch(comm.rank)).backward()
+            res.append(flat_grads(model))
+            reducer.remove()
+        return res
+
+    for overlapped, at_end in run_ranks(3, fn):
+        assert torch.equal(overlapped, at_end)
+
+
+def test_buckets_launch_during_backward_in_index_order() -> None:
+    order: list[tuple[int, int, bool]] = []
+
+    def fn(comm: ThreadCommunicator) -> None:
+        model = eval_bn(make_model())
+        reducer = GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+        in_backward = [True]
+
+        def hook(state: Any, bucket: gradcomm.hooks.GradBucket) -> gradcomm.Work:
+            order.append((comm.rank, bucket.index(), in_backward[0]))
+            return gradcomm.hooks.allreduce_hook(state, bucket)
+
+        reducer.register_comm_hook(hook)
+        loss = loss_fn(model, *batch(comm.rank))
+        # head_b unused on rank 1 only: its bucket (0) waits for the end on rank 1, and so do all
+        model.head_b.weight.register_post_accumulate_grad_hook(lambda p: None)
+        loss.backward()
+        in_backward[0] = False
+        return None
+
+    run_ranks(2, fn)
+    for rank in (0, 1):
+        idx = [b for r, b, _ in order if r == rank]
+        assert idx == sorted(idx) == list(range(len(idx)))
+    # with no unused parameter every bucket but the last fills before backward ends
+    assert any(during for _, b, during in order if b == 0)
+
+
+def test_unused_on_one_rank_counts_as_zero_and_unused_everywhere_stays_none() -> None:
+    ws = 2
+    g_local = []
+    for r in range(ws):
+        m = eval_bn(make_model())
+        loss_fn(m, *batch(r), use_b=(r == 0)).backward()
+        g_local.append(grads_of(m))
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        model = eval_bn(make_model())
+        model.extra = nn.Linear(2, 2)  # never used by any rank
+        GradientReducer(model, comm)
+        loss_fn(model, *batch(comm.rank), use_b=(comm.rank == 0)).backward()
+        return grads_of(model)
+
+    out = run_ranks(ws, fn)
+    assert_identical(out)
+    assert out[0]["extra.weight"] is None and out[0]["extra.bias"] is None
+    for name in ("head_b.weight", "head_b.bias"):
+        want = g_local[0][name] / ws  # (g + 0) / world_size
+        assert g_local[1][name] is None
+        assert torch.allclose(out[0][name], want, rtol=1e-6, atol=0)
+    g = out[0]["fc2.weight"]
+    assert torch.allclose(g, (g_local[0]["fc2.weight"] + g_local[1]["fc2.weight"]) / ws,
+                          rtol=1e-5, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------- accumulation etc.
+@pytest.mark.parametrize("view", [False, True])
+def test_no_sync_accumulation_equals_single_process_sum(view: bool) -> None:
+    ws, micro = 2, 3
+    ref_model = eval_bn(make_model())
+    for step in range(micro):
+        loss_fn(ref_model, *global_batch(ws, seed=10 + step)).backward()
+    ref = grads_of(ref_model)
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        model = eval_bn(make_model())
+        reducer = GradientReducer(model, comm, gradient_as_bucket_view=view,
+                                  bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+        for step in range(micro - 1):
+            with reducer.no_sync():
+                loss_fn(model, *batch(comm.rank, seed=10 + step)).backward()
+        loss_fn(model, *batch(comm.rank, seed=10 + micro - 1)).backward()
+        return grads_of(model)
+
+    out = run_ranks(ws, fn)
+    assert grads_close(out[0], ref, rtol=1e-5) == []  # type: ignore[arg-type]
+    assert_identical(out)
+
+
+def test_several_backwards_per_step_each_reduced_once() -> None:
+    ws = 2
+    ref_model = eval_bn(make_model())
+    x, y = global_batch(ws)
+    out_ref = ref_model(x)
+    ((out_ref - y) ** 2).mean().backward(retain_graph=True)
+    out_ref.abs().mean().backward()
+    ref = grads_of(ref_model)
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        model = eval_bn(make_model())
+        GradientReducer(model, comm)
+        xl, yl = batch(comm.rank)
+        out = model(xl)
+        ((out - yl) ** 2).mean().backward(retain_graph=True)
+        after_first = grads_of(model)
+        out.abs().mean().backward()
+        return after_first, grads_of(model)
+
+    res = run_ranks(ws, fn)
+    assert grads_close(res[0][1], ref, rtol=1e-5) == []  # type: ignore[arg-type]
+    assert_identical([r[0] for r in res])
+    assert_identical([r[1] for r in res])
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool, where: str) -> None:
+        super().__init__()
+        with seeded(0):
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 6)
+            self.c = nn.Linear(6, 1)
+        self.reentrant = reentrant
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seg = {"first": self.a, "middle": self.b, "last": self.c}[self.where]
+        for layer in (self.a, self.b, self.c):
+            if layer is seg:
+                x = checkpoint(layer, x, use_reentrant=self.reentrant)
+            else:
+                x = layer(x)
+            if layer is not self.c:
+                x = torch.tanh(x)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_activation_checkpointing(reentrant: bool, where: str) -> None:
+    ws = 2
+
+    def data(rank: int) -> torch.Tensor:
+        return torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+
+    ref_model = _Checkpointed(reentrant, where)
+    x = torch.cat([data(r) for r in range(ws)]).requires_grad_(reentrant)
+    ref_model(x).pow(2).mean().backward()
+    ref = grads_of(ref_model)
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        model = _Checkpointed(reentrant, where)
+        GradientReducer(model, comm, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+        xl = data(comm.rank).requires_grad_(reentrant)  # reentrant needs an input requiring grad
+        model(xl).pow(2).mean().backward()
+        return grads_of(model)
+
+    out = run_ranks(ws, fn)
+    assert grads_close(out[0], ref, rtol=1e-5) == []  # type: ignore[arg-type]
+    assert_identical(out)
+
+
+def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with seeded(0):
+                self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return checkpoint(self.a, torch.tanh(h), use_reentrant=True)
+
+    ws = 2
+    ref_model = Shared()
+    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(0))
+    ref_model(x).pow(2).mean().backward()
+    ref = grads_of(ref_model)
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = Shared()
+        GradientReducer(model, comm)
+        model(x[2 * comm.rank:2 * comm.rank + 2]).pow(2).mean().backward()
+        return grads_of(model)
+
+    for r in run_ranks(ws, fn):
+        if isinstance(r, Exception):
+            assert isinstance(r, RuntimeError) and "accumulated again" in str(r)
+        else:
+            assert grads_close(r, ref, rtol=1e-5) == []  # type: ignore[arg-type]
+
+
+def test_tied_weights_reduced_once() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with seeded(0):
+                self.emb = nn.Embedding(5, 3)
+                self.out = nn.Linear(3, 5, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(idx))
+
+    ws = 2
+    idx = torch.tensor([[0, 1, 2], [3, 4, 1]])
+    ref_model = Tied()
+    ref_model(idx).pow(2).mean().backward()
+    ref = grads_of(ref_model)
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = Tied()
+        reducer = GradientReducer(model, comm)
+        assert reducer.parameter_names == ("emb.weight",)
+        model(idx[comm.rank:comm.rank + 1]).pow(2).mean().backward()
+        return grads_of(model)
+
+    out = run_ranks(ws, fn)
+    assert grads_close(out[0], ref, rtol=1e-5) == []  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- memory, views
+def test_bucket_views_alias_grads_and_memory_does_not_grow() -> None:
+    def fn(comm: ThreadCommunicator) -> None:
+        model = eval_bn(make_model())
+        reducer = GradientReducer(model, comm, gradient_as_bucket_view=True,
+                                  bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        flats = [b.flat for b in reducer._buckets]
+        ptrs = [f.data_ptr() for f in flats]
+        counts = []
+        for step in range(6):
+            opt.zero_grad(set_to_none=False)
+            loss_fn(model, *batch(comm.rank, seed=step)).backward()
+            opt.step()
+            for b in reducer._buckets:
+                lo = b.flat.data_ptr()
+                hi = lo + b.numel * b.flat.element_size()
+                for p in b.params:
+                    assert p.grad is not None and lo <= p.grad.data_ptr() < hi or p.numel() == 0
+            if comm.rank == 0 and step in (2, 5):
+                gc.collect()
+                counts.append(sum(type(o) in (torch.Tensor, nn.Parameter)
+                                  for o in gc.get_objects()))
+        assert [b.flat.data_ptr() for b in reducer._buckets] == ptrs  # allocated once
+        assert counts[:1] == counts[1:], counts  # no tensor accumulates step to step
+        return None
+
+    run_ranks(2, fn)
+
+
+def test_view_mode_with_set_to_none_repoints_grads() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model())
+        reducer = GradientReducer(model, comm, gradient_as_bucket_view=True)
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            loss_fn(model, *batch(comm.rank, seed=step)).backward()
+        b = reducer._buckets[0]
+        return all(p.grad is v for p, v in zip(b.params, b.views))
+
+    assert run_ranks(2, fn) == [True, True]
+
+
+def test_channels_last_and_noncontiguous_grads() -> None:
+    ws = 2
+    w0 = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(0))
+
+    def grads(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        conv = nn.Parameter(w0.clone().to(memory_format=torch.channels_last))
+        mat = nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).t())
+        x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(10 + rank))
+        y = nn.functional.conv2d(x.contiguous(memory_format=torch.channels_last), conv)
+        (y.sum() + (mat * (rank + 1.5)).pow(2).sum()).backward()
+        return conv.grad, mat.grad  # type: ignore[return-value]
+
+    local = [grads(r) for r in range(ws)]
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        conv = nn.Parameter(w0.clone().to(memory_format=torch.channels_last))
+        mat = nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).t())
+        GradientReducer([("conv", conv), ("mat", mat)], comm)
+        x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(10 + comm.rank))
+        y = nn.functional.conv2d(x.contiguous(memory_format=torch.channels_last), conv)
+        (y.sum() + (mat * (comm.rank + 1.5)).pow(2).sum()).backward()
+        return conv.grad, mat.grad
+
+    for conv_g, mat_g in run_ranks(ws, fn):
+        assert torch.allclose(conv_g, (local[0][0] + local[1][0]) / ws, rtol=1e-6)
+        assert torch.allclose(mat_g, (local[0][1] + local[1][1]) / ws, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------- construction
+def test_construction_broadcasts_params_and_buffers_keeping_dtypes() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = make_model(seed=comm.rank)
+        model.bn.num_batches_tracked.fill_(7 + comm.rank)
+        model.bn.running_mean.fill_(float(comm.rank))
+        GradientReducer(model, comm)
+        return (torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                model.bn.num_batches_tracked.clone(), model.bn.running_mean.clone())
+
+    out = run_ranks(3, fn)
+    want = torch.cat([p.detach().reshape(-1) for p in make_model(seed=0).parameters()])
+    for params, count, mean in out:
+        assert torch.equal(params, want)
+        assert count.dtype == torch.int64 and int(count) == 7
+        assert torch.equal(mean, torch.zeros(3))
+
+
+def test_broadcast_buffers_each_forward() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model())
+        GradientReducer(model, comm, broadcast_buffers=True)
+        model.bn.running_var.fill_(float(comm.rank + 2))
+        model(batch(comm.rank)[0])  # broadcast from rank 0 before the forward
+        return model.bn.running_var.clone()
+
+    for running_var in run_ranks(2, fn):
+        assert torch.equal(running_var, torch.full((3,), 2.0))
+
+
+def test_fingerprint_mismatch_raises_on_every_rank_naming_it() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2 if comm.rank == 0 else 5))
+        GradientReducer(model, comm)
+
+    out = run_ranks(3, fn)
+    for err in out:
+        assert isinstance(err, ValueError), err
+        assert "1.weight" in str(err) and "(5, 4)" in str(err) and "rank 1" in str(err)
+
+
+def test_fingerprint_mismatch_in_count() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        layers = [nn.Linear(2, 2) for _ in range(2 + comm.rank)]
+        GradientReducer(nn.Sequential(*layers), comm)
+
+    for err in run_ranks(2, fn):
+        assert isinstance(err, ValueError) and "2.weight" in str(err)
+
+
+def test_degenerate_models_and_world_size_one_issue_no_collective() -> None:
+    group = ThreadGroup(1)
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model())
+        GradientReducer(model, comm)
+        loss_fn(model, *batch(0)).backward()
+        return grads_of(model)
+
+    out = group.run(fn)
+    assert group.calls == [0]
+    ref = {n: g for n, g in reference_grads(1).items()}
+    assert grads_close(out[0], ref) == []
+
+
+@pytest.mark.parametrize("kind", ["empty", "frozen", "zero_size"])
+def test_degenerate_models(kind: str) -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        if kind == "empty":
+            model: nn.Module = nn.Sequential()
+        elif kind == "frozen":
+            model = nn.Linear(3, 2).requires_grad_(False)
+        else:
+            model = nn.Linear(0, 2)
+        reducer = GradientReducer(model, comm)
+        if kind == "zero_size":
+            x = torch.randn(4, 0)
+            (model(x).sum() * (comm.rank + 1)).backward()
+            return model.weight.grad.shape, model.bias.grad.clone()  # type: ignore[union-attr]
+        return len(reducer.buckets)
+
+    out = run_ranks(2, fn)
+    if kind == "zero_size":
+        for shape, bias_grad in out:
+            assert shape == (2, 0)
+            assert torch.equal(bias_grad, torch.full((2,), 4 * 1.5))  # (4 + 8) / 2
+    else:
+        assert out == [0, 0]
+
+
+# ---------------------------------------------------------------------------- errors
+def test_replaced_parameter_detected() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model())
+        GradientReducer(model, comm)
+        model.fc2.weight = nn.Parameter(torch.zeros(16, 16))
+        loss_fn(model, *batch(comm.rank)).backward()
+
+    for err in run_ranks(2, fn):
+        assert isinstance(err, RuntimeError) and "fc2.weight" in str(err)
+
+
+def test_replaced_buffer_detected() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model())
+        GradientReducer(model, comm)
+        model.bn.running_mean = torch.zeros(3)
+        loss_fn(model, *batch(comm.rank)).backward()
+
+    for err in run_ranks(2, fn):
+        assert isinstance(err, RuntimeError) and "bn.running_mean" in str(err)
+
+
+def test_sparse_gradients_rejected_naming_the_parameter() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = nn.Sequential(nn.Embedding(4, 2, sparse=True))
+        GradientReducer(model, comm)
+
+    for err in run_ranks(2, fn):
+        assert isinstance(err, TypeError) and "0.weight" in str(err)
+
+    def fn2(comm: ThreadCommunicator) -> Any:
+        emb = nn.Embedding(4, 2, sparse=True)
+        GradientReducer([("table", emb.weight)], comm)
+        emb(torch.tensor([1, 2])).sum().backward()
+
+    for err in run_ranks(2, fn2):
+        assert isinstance(err, TypeError) and "table" in str(err)
+
+
+def test_timeout_names_the_bucket() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = nn.Sequential(nn.Linear(3, 3))
+        GradientReducer(model, comm)
+        if comm.rank == 0:
+            model(torch.ones(1, 3)).sum().backward()
+        return "done"
+
+    out = run_ranks(2, fn, timeout=1.0)
+    assert out[1] == "done"
+    assert isinstance(out[0], gradcomm.CollectiveTimeoutError)
+    assert "bucket 0" in str(out[0]) and "0.bias" in str(out[0])
+
+
+def test_bad_arguments() -> None:
+    comm = ThreadGroup(1).communicator(0)
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        GradientReducer(model, comm, bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="bucket_cap_mb"):
+        GradientReducer(model, comm, bucket_cap_mb="25")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        GradientReducer(model, comm, gradient_predivide_factor=-1.0)
+    with pytest.raises(ValueError, match="unknown comm hook"):
+        GradientReducer(model, comm, comm_hook="fp8")
+    with pytest.raises(TypeError, match="Communicator"):
+        GradientReducer(model, object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="single tensor"):
+        GradientReducer(torch.ones(2, requires_grad=True), comm)
+    comm.close()
+
+
+# ---------------------------------------------------------------------------- half precision
+def test_default_predivide_factor() -> None:
+    assert default_predivide_factor(1, torch.float16) == 1.0
+    assert default_predivide_factor(2, torch.float16) == 2.0
+    assert default_predivide_factor(8, torch.float16) == 2.0
+    assert default_predivide_factor(16, torch.float16) == 4.0
+    assert default_predivide_factor(3, torch.float32) == 3.0
+
+
+@pytest.mark.parametrize(("world_size", "value"), [(2, 40000.0), (8, 1e-7)])
+def test_fp16_average_neither_overflows_nor_underflows(world_size: int, value: float) -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        p = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+        GradientReducer([p], comm)
+        (p * torch.tensor(value, dtype=torch.float16)).sum().backward()
+        return p.grad
+
+    want = torch.full((3,), value, dtype=torch.float16)  # the average of equal values
+    for g in run_ranks(world_size, fn):
+        assert torch.isfinite(g).all() and bool((g != 0).all())
+        assert torch.equal(g, want), (g, want)
+
+
+def test_apply_gradient_allreduce_returns_module() -> None:
+    ref = reference_grads(2)
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model(seed=comm.rank))
+        assert apply_gradient_allreduce(model, comm) is model
+        assert isinstance(model.gradient_reducer, GradientReducer)
+        loss_fn(model, *batch(comm.rank)).backward()
+        return grads_of(model)
+
+    assert grads_close(run_ranks(2, fn)[1], ref) == []
