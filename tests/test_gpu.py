@@ -1,0 +1,354 @@
+"""GPU backends: nccl, cupy-nccl, and mpi with CUDA buffers.
+
+Tests marked ``gpu`` need CUDA and are skipped with the reason without it; ``scripts/gpu_check.sh``
+runs them on a GPU machine. NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so on a
+one-GPU machine nccl runs at world_size 1 (its process group still exercised directly) and
+cupy-nccl under ``mpiexec -n 1``; the mpi backend, which has no such limit, runs two ranks that
+share the GPU. The other tests run everywhere: the errors and reasons a machine without CUDA or
+CuPy gives, device selection, the capability table, and the CUDA-event Work with fake events.
+
+This file is also the script of its ``mpiexec`` runs: ``python tests/test_gpu.py --job NAME``.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+import traceback
+import types
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradcomm
+from gradcomm import (
+    BackendUnavailableError,
+    CollectiveTimeoutError,
+    ReduceOp,
+    SlowPathWarning,
+)
+from gradcomm.comm import Launcher, LaunchInfo, available_backends, select_backend
+from gradcomm.comm.backends.cupy_nccl import CudaEventWork
+from gradcomm.comm.backends.nccl import nccl_support, resolve_cuda_device
+
+HAS_CUDA = torch.cuda.is_available()
+N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+needs_cuda = pytest.mark.skipif(
+    not HAS_CUDA, reason="no CUDA device: torch.cuda.is_available() is False"
+)
+needs_two_gpus = pytest.mark.skipif(
+    N_GPUS < 2, reason=f"needs 2 GPUs (NCCL allows one rank per GPU); this machine has {N_GPUS}"
+)
+
+
+def _launch(rank: int = 0, world: int = 1, local_world: int | None = None) -> LaunchInfo:
+    lws = world if local_world is None else local_world
+    return LaunchInfo(rank, world, rank % lws, lws, Launcher.EXPLICIT)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def no_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # find_spec -> None, import -> ImportError
+
+
+# ============================================================================ CPU: errors, reasons
+def test_init_nccl_without_cuda_raises_clear_error(no_cuda: None) -> None:
+    with pytest.raises(BackendUnavailableError, match=r"nccl backend needs a CUDA device: "
+                       r"torch.cuda.is_available\(\) is False"):
+        gradcomm.init("nccl", rank=0, world_size=1)
+
+
+def test_init_nccl_without_nccl_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(BackendUnavailableError, match="is_nccl_available"):
+        gradcomm.init("nccl", rank=0, world_size=1)
+
+
+def test_init_cupy_nccl_without_cupy_names_pip_command(no_cupy: None) -> None:
+    with pytest.raises(ImportError, match="pip install cupy-cuda12x"):
+        gradcomm.init("cupy-nccl", rank=0, world_size=1)
+
+
+def test_init_cupy_nccl_without_cuda(monkeypatch: pytest.MonkeyPatch, no_cuda: None) -> None:
+    fake = types.ModuleType("cupy")
+    fake.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    with pytest.raises(BackendUnavailableError, match="cupy-nccl backend needs a CUDA device"):
+        gradcomm.init("cupy_nccl", rank=0, world_size=1)  # "_" spelling is normalised
+
+
+def test_available_backends_say_why_gpu_backends_are_unavailable(
+    no_cuda: None, no_cupy: None
+) -> None:
+    status = available_backends()
+    assert not status["nccl"].available
+    assert "torch.cuda.is_available() is False" in status["nccl"].reason
+    assert not status["cupy-nccl"].available
+    assert "pip install cupy-cuda12x" in status["cupy-nccl"].reason
+    assert status["gloo"].available
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has CUDA; the no-CUDA answer is tested on CPU")
+def test_available_backends_on_this_machine() -> None:
+    status = available_backends()
+    for name in ("nccl", "cupy-nccl"):
+        assert not status[name].available and status[name].reason
+
+
+def test_auto_selection_picks_nccl_only_when_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_backend(env={}).name == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert select_backend(env={}).name == "nccl"
+
+
+# ============================================================================ CPU: device, table
+def test_resolve_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_cuda_device(_launch(1, 2), None, "nccl") == torch.device("cuda", 1)
+    assert resolve_cuda_device(_launch(1, 2), "cuda", "nccl") == torch.device("cuda", 1)
+    assert resolve_cuda_device(_launch(1, 2), "cuda:0", "nccl") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="CUDA devices, not cpu"):
+        resolve_cuda_device(_launch(), "cpu", "nccl")
+    with pytest.raises(ValueError, match="cuda:2 does not exist"):
+        resolve_cuda_device(_launch(), "cuda:2", "nccl")
+    # Every rank of a host with 3 ranks and 2 GPUs raises the same error, before any rendezvous.
+    for rank in range(3):
+        with pytest.raises(BackendUnavailableError, match="3 ranks on this host but 2 CUDA"):
+            resolve_cuda_device(_launch(rank, 3), None, "cupy-nccl")
+
+
+def test_nccl_capability_table() -> None:
+    cuda = torch.device("cuda", 0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                  torch.uint8, torch.int32, torch.int64):
+        s = nccl_support(dtype, cuda)
+        assert s.level.value == "native" and s.transfer_dtype == dtype and not s.is_slow
+    assert not nccl_support(torch.bool, cuda).is_supported
+    assert not nccl_support(torch.complex64, cuda).is_supported
+    cpu = nccl_support(torch.float32, torch.device("cpu"))
+    assert not cpu.is_supported and "CUDA tensors" in cpu.reason
+
+
+# ============================================================================ CPU: CudaEventWork
+class FakeEvent:
+    """``query()`` is True from the ``ready_after``-th call on (never when None)."""
+
+    def __init__(self, ready_after: int | None) -> None:
+        self.ready_after = ready_after
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.ready_after is not None and self.queries >= self.ready_after
+
+
+def test_event_work_completes_and_runs_callbacks() -> None:
+    event, done = FakeEvent(ready_after=3), []
+    work = CudaEventWork(event, "all_reduce #0", 5.0, lambda: None, lambda: done.append("abort"))
+    work.add_callback(lambda: done.append("callback"))
+    assert not work.is_completed()
+    work.wait()
+    assert work.is_completed() and done == ["callback"]
+
+
+def test_event_work_timeout_aborts_once_and_raises() -> None:
+    aborted: list[int] = []
+    work = CudaEventWork(FakeEvent(None), "all_reduce #7", 0.05, lambda: None,
+                         lambda: aborted.append(1))
+    with pytest.raises(CollectiveTimeoutError, match="all_reduce #7 did not complete"):
+        work.wait()
+    assert aborted == [1]
+
+
+def test_event_work_reports_asynchronous_nccl_errors() -> None:
+    def check() -> None:
+        raise RuntimeError("NCCL_ERROR_REMOTE_ERROR: a peer went away")
+
+    work = CudaEventWork(FakeEvent(None), "broadcast #1", 5.0, check, lambda: None)
+    with pytest.raises(RuntimeError, match="peer went away"):
+        work.wait()
+
+
+# ============================================================================ GPU: shared checks
+def _grad_check(comm: gradcomm.Communicator) -> float:
+    """Gradients after one backward equal one process's on the global batch; max rel. error."""
+    torch.manual_seed(0)
+    dev = comm.device
+    x = torch.randn(8 * comm.world_size, 12, device=dev)
+    y = torch.randn(8 * comm.world_size, 3, device=dev)
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(1)
+        return torch.nn.Sequential(
+            torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)
+        ).to(dev)
+
+    ref = make()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    model = make()
+    reducer = gradcomm.GradientReducer(model, comm, bucket_cap_mb=0.001)  # several buckets
+    shard = slice(8 * comm.rank, 8 * (comm.rank + 1))
+    torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+    worst = 0.0
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        worst = max(worst, float(((p.grad - q.grad).abs() / q.grad.abs().clamp_min(1e-12)).max()))
+    del reducer
+    return worst
+
+
+def _collective_checks(comm: gradcomm.Communicator) -> None:
+    """Values of every collective on CUDA tensors, fp32/fp16/bf16, and no slow-path warning."""
+    r, n, dev = comm.rank, comm.world_size, comm.device
+    nccl_family = comm.backend in ("nccl", "cupy-nccl")
+    with warnings.catch_warnings():
+        if nccl_family:  # NCCL reduces 16-bit floats itself: no slow path, no warning
+            warnings.simplefilter("error", SlowPathWarning)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            assert not (nccl_family and comm.supports(dtype).is_slow), comm.supports(dtype)
+            t = torch.full((1000,), float(r + 1), dtype=dtype, device=dev)
+            comm.all_reduce(t)
+            assert bool((t == n * (n + 1) / 2).all()), (dtype, t[:4])
+            t = torch.full((33,), float(r + 1), dtype=dtype, device=dev)
+            comm.all_reduce(t, "avg", async_op=True).wait()
+            assert bool((t == (n + 1) / 2).all()), (dtype, t[:4])
+    m = torch.tensor([r, -r], dtype=torch.int64, device=dev)
+    comm.all_reduce(m, ReduceOp.MAX)
+    assert m.tolist() == [n - 1, 0]
+    b = torch.arange(10, device=dev, dtype=torch.float32) * (1 if r == n - 1 else 0)
+    comm.broadcast(b, src=n - 1)
+    assert b.tolist() == list(map(float, range(10)))
+    out = torch.empty(n, 4, device=dev)
+    comm.all_gather(out, torch.full((4,), float(r), device=dev))
+    assert out[:, 0].tolist() == list(map(float, range(n)))
+    nc = torch.ones(6, 4, device=dev).t()  # non-contiguous: copy-in, copy-out
+    comm.all_reduce(nc)
+    assert bool((nc == n).all())
+    comm.barrier()
+
+
+# ============================================================================ GPU: nccl
+@pytest.mark.gpu
+@needs_cuda
+def test_nccl_world_size_1_and_its_process_group() -> None:
+    with gradcomm.init("nccl", rank=0, world_size=1, timeout=60) as comm:
+        assert comm.device == torch.device("cuda", 0)
+        assert torch.cuda.current_device() == 0
+        _collective_checks(comm)
+        _grad_check(comm)
+        # world_size 1 issues no collective; drive a 1-rank ProcessGroupNCCL directly.
+        group = comm._make_group(dist.HashStore(), _launch(), 60.0)  # type: ignore[attr-defined]
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            t = torch.arange(8, dtype=dtype, device="cuda:0")
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.AVG
+            group.allreduce([t], opts).wait()
+            assert torch.equal(t, torch.arange(8, dtype=dtype, device="cuda:0"))
+        group.shutdown()
+
+
+def _nccl_rank(rank: int, world_size: int) -> float:
+    with gradcomm.init("nccl", timeout=60) as comm:
+        assert comm.device == torch.device("cuda", rank)
+        _collective_checks(comm)
+        return _grad_check(comm)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_two_gpus
+def test_nccl_two_processes() -> None:
+    from dist_utils import run_processes
+
+    errors = run_processes(_nccl_rank, 2, timeout=180)  # each rank asserts its values
+    assert len(errors) == 2
+
+
+# ============================================================================ GPU: cupy-nccl
+@pytest.mark.gpu
+@needs_cuda
+def test_cupy_nccl_world_size_1_drives_nccl() -> None:
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed (pip install cupy-cuda12x)")
+    from gradcomm.comm.backends.cupy_nccl import as_tensor
+
+    with gradcomm.init("cupy-nccl", rank=0, world_size=1, timeout=60) as comm:
+        _collective_checks(comm)
+        # world_size 1 issues no collective through the public methods: call NCCL directly.
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
+            t = torch.arange(16, device=comm.device).to(dtype)
+            op = ReduceOp.AVG if dtype.is_floating_point else ReduceOp.SUM
+            work = comm._all_reduce(t, op, "direct")
+            assert isinstance(work, CudaEventWork)
+            work.wait()
+            assert work.is_completed()
+            assert torch.equal(t, torch.arange(16, device=comm.device).to(dtype))
+        x = cupy.arange(5, dtype=cupy.float32)
+        view = as_tensor(x)
+        comm._all_reduce(view, ReduceOp.SUM, "cupy").wait()
+        view.mul_(2)  # the view is the array's memory
+        assert cupy.asnumpy(x).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cupy_nccl_under_mpiexec_without_master_addr() -> None:
+    pytest.importorskip("cupy", reason="cupy is not installed (pip install cupy-cuda12x)")
+    from dist_utils import require_mpi, run_mpi
+
+    require_mpi()
+    n = min(2, N_GPUS)  # one rank per GPU (NCCL's rule)
+    out = run_mpi(__file__, n, ["--job", "cupy-nccl"], timeout=180).stdout
+    for r in range(n):
+        assert f"RESULT cupy-nccl ok rank={r}" in out, out
+
+
+# ============================================================================ GPU: mpi + CUDA
+@pytest.mark.gpu
+@needs_cuda
+def test_mpi_with_cuda_buffers_two_ranks_sharing_a_gpu() -> None:
+    from dist_utils import require_mpi, run_mpi
+
+    require_mpi()
+    out = run_mpi(__file__, 2, ["--job", "mpi-cuda"], timeout=180).stdout
+    for r in range(2):
+        assert f"RESULT mpi-cuda ok rank={r}" in out, out
+
+
+# ============================================================================ mpiexec jobs
+def _job(name: str) -> None:
+    if name == "cupy-nccl":
+        assert "MASTER_ADDR" not in os.environ  # the unique id must travel over MPI
+        comm = gradcomm.init("cupy-nccl", timeout=60)
+    elif name == "mpi-cuda":
+        comm = gradcomm.init("mpi", device="cuda:0", timeout=60)  # both ranks share GPU 0
+    else:
+        raise SystemExit(f"unknown job {name!r}")
+    with comm:
+        _collective_checks(comm)
+        worst = _grad_check(comm)
+    print(f"RESULT {name} ok rank={comm.rank} world={comm.world_size} grad_rel_err={worst:.2e}",
+          flush=True)
+
+
+if __name__ == "__main__" and "--job" in sys.argv:
+    try:
+        _job(sys.argv[sys.argv.index("--job") + 1])
+    except BaseException:  # noqa: BLE001 - one failing rank must end the whole job
+        traceback.print_exc()
+        sys.stdout.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
