@@ -29,6 +29,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -163,7 +164,7 @@ def wire_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
 
 
-def cupy_array(tensor: torch.Tensor) -> object:
+def cupy_array(tensor: torch.Tensor) -> Any:
     """Zero-copy CuPy array over a contiguous CUDA tensor (1-D; bfloat16 as int16).
 
     Goes through the tensor's ``__cuda_array_interface__``: the array shares the tensor's memory
@@ -229,7 +230,7 @@ class DeviceBufferAdapter:
         cuda_aware: bool,
         *,
         synchronize: Callable[[], None] | None = None,
-        to_array: Callable[[torch.Tensor], object] | None = None,
+        to_array: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         self._cuda_aware = bool(cuda_aware)
         self._synchronize = synchronize
@@ -244,7 +245,7 @@ class DeviceBufferAdapter:
 
     def prepare(
         self, tensor: torch.Tensor, *, read: bool = True, write: bool = True
-    ) -> tuple[object, Callable[[], None]]:
+    ) -> tuple[Any, Callable[[], None]]:
         """Return ``(buffer, finish)`` for one MPI operation on ``tensor``.
 
         Args:
@@ -281,7 +282,7 @@ class DeviceBufferAdapter:
 
     def _stage(
         self, tensor: torch.Tensor, *, read: bool, write: bool
-    ) -> tuple[object, Callable[[], None]]:
+    ) -> tuple[Any, Callable[[], None]]:
         _warn_once(
             "mpi-staging",
             "MPI is not CUDA-aware (or that could not be confirmed): CUDA tensors are staged "
