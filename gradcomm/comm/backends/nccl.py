@@ -170,12 +170,10 @@ class NCCLCommunicator(TorchDistCommunicator):
         seconds = 86400 if timeout is None else timeout
         td = datetime.timedelta(seconds=seconds)
         opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=False)
-        has_set_timeout = hasattr(dist.ProcessGroupNCCL, "set_timeout")
-        if not has_set_timeout:  # older torch: the options' field is the only way
-            opts._timeout = td
+        # The options have no public timeout field; torch's own init_process_group sets this one
+        # (every torch 2.x). It is also the watchdog's timeout.
+        opts._timeout = td
         group = dist.ProcessGroupNCCL(store, launch.rank, launch.world_size, opts)
-        if has_set_timeout:
-            group.set_timeout(td)
         return group  # type: ignore[return-value]  # a Backend: the methods used are the same
 
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
