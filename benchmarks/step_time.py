@@ -1,0 +1,480 @@
+"""Training-step time of gradcomm against torch DDP, the old end-of-backward algorithm, and no comm.
+
+One run times, on the same model, initial weights and data, one training step (zero_grad,
+forward, loss, backward with the gradient reduction, SGD step) for each variant:
+
+* ``gradcomm+gloo`` / ``gradcomm+mpi``: :class:`gradcomm.GradientReducer` on ``gradcomm.init``'s
+  gloo / mpi communicator (overlapped, bucketed all-reduce during backward).
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo default process group.
+* ``old+gloo`` / ``old+mpi``: NVIDIA tacotron2's ``apply_gradient_allreduce`` (reimplemented
+  below): per-parameter hooks only queue one callback, which after backward flattens all grads of
+  each dtype into a new buffer, all-reduces it (``torch.distributed.all_reduce`` on gloo, or
+  mpi4py's ``Allreduce`` in place), divides by the world size and copies back.
+* ``local``: every rank computes its own step with no communication (the compute floor).
+
+Variants are interleaved fairly: ``--rounds`` rounds, each running every variant for
+``--steps`` timed steps (after one untimed step), in an order rotated every round, so slow
+periods of a shared machine hit every variant alike. A step's time is the max over ranks; the
+table gives the median and the inter-quartile range (IQR) over all timed steps, with ratios to
+DDP and to the old algorithm on the same backend, and checks the targets of issue 3.
+
+Run (2 ranks on 2 cores; OMP_NUM_THREADS=1 per rank is set here if unset)::
+
+    mpiexec -n 2 python benchmarks/step_time.py
+    mpiexec -n 4 python benchmarks/step_time.py --models mlp    # oversubscribed
+
+Everything runs under ``mpiexec``: the gloo variants rendezvous through MPI, and DDP's default
+process group uses a TCPStore whose port rank 0 broadcasts with mpi4py.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+VARIANTS = ("local", "ddp", "old+gloo", "old+mpi", "gradcomm+gloo", "gradcomm+mpi")
+MODELS = ("mlp", "conv", "transformer")
+
+
+# ----------------------------------------------------------------------------- models and data
+class TinyTransformer(nn.Module):
+    """Token embedding, 4 pre-norm encoder layers (d_model 128, 4 heads), mean-pool, linear head."""
+
+    def __init__(self, vocab: int = 1000, d_model: int = 128, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+def build_model(name: str) -> nn.Module:
+    """The benchmark's models (seeded, so every rank and variant starts from the same weights)."""
+    torch.manual_seed(0)
+    if name == "mlp":  # 4 linear layers of width 1024: 3.16M parameters
+        return nn.Sequential(
+            nn.Linear(1024, 1024), nn.ReLU(),
+            nn.Linear(1024, 1024), nn.ReLU(),
+            nn.Linear(1024, 1024), nn.ReLU(),
+            nn.Linear(1024, 10),
+        )
+    if name == "conv":  # small CIFAR-sized conv net
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10),
+        )
+    if name == "transformer":
+        return TinyTransformer()
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+def make_batches(name: str, rank: int, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` fixed batches of this rank's data (seeded by rank: each rank has its own shard)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(count):
+        if name == "mlp":
+            x = torch.randn(64, 1024, generator=gen)
+        elif name == "conv":
+            x = torch.randn(16, 3, 32, 32, generator=gen)
+        else:
+            x = torch.randint(0, 1000, (8, 32), generator=gen)
+        out.append((x, torch.randint(0, 10, (x.shape[0],), generator=gen)))
+    return out
+
+
+# ----------------------------------------------------------------------------- variants
+class Variant:
+    """A model copy, its optimizer and the way its gradients are reduced."""
+
+    name = "local"
+    backend = ""  # transport the reduction uses, for the "same backend" comparison
+
+    def __init__(self, base: nn.Module, lr: float) -> None:
+        self.model = copy.deepcopy(base)
+        self.module = self.wrap(self.model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.module(x), y)
+        loss.backward()
+        self.optimizer.step()
+
+    def close(self) -> None:
+        pass
+
+
+class DDPVariant(Variant):
+    name = "ddp"
+    backend = "gloo"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+
+
+class OldAlgorithm:
+    """NVIDIA tacotron2's ``apply_gradient_allreduce``, reimplemented as the baseline.
+
+    A forward hook marks the module as needing a reduction; every parameter's gradient hook only
+    queues (once per backward) a callback that the autograd engine runs after the whole backward
+    pass. The callback buckets the grads by dtype, flattens each bucket into a new buffer
+    (``torch.cat``, as ``torch._utils._flatten_dense_tensors`` does), all-reduces it (SUM),
+    divides by the world size and copies the slices back into the grads.
+    """
+
+    def __init__(self, module: nn.Module, all_reduce: Callable[[torch.Tensor], None],
+                 world_size: int) -> None:
+        self.module = module
+        self.all_reduce = all_reduce
+        self.world_size = world_size
+        self.needs_reduction = False
+        self.queued = False
+        module.register_forward_hook(self._mark)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_hook(self._queue)
+
+    def _mark(self, *_: Any) -> None:
+        self.needs_reduction = True
+
+    def _queue(self, grad: torch.Tensor) -> None:
+        if not self.queued:
+            self.queued = True
+            # No public API runs a callback at the end of backward; DDP uses this one too.
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+
+    def _flush(self) -> None:
+        self.queued = False
+        if not self.needs_reduction:
+            return
+        self.needs_reduction = False
+        buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in self.module.parameters():
+            if param.requires_grad and param.grad is not None:
+                buckets.setdefault(param.grad.dtype, []).append(param.grad)
+        for grads in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.all_reduce(flat)
+            flat /= self.world_size
+            for grad, synced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                grad.copy_(synced.view_as(grad))
+
+
+class OldGlooVariant(Variant):
+    name = "old+gloo"
+    backend = "gloo"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        OldAlgorithm(model, lambda t: dist.all_reduce(t), dist.get_world_size())
+        return model
+
+
+class OldMPIVariant(Variant):
+    name = "old+mpi"
+    backend = "mpi"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD.Dup()
+        OldAlgorithm(
+            model, lambda t: self.comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM),
+            self.comm.Get_size(),
+        )
+        return model
+
+    def close(self) -> None:
+        self.comm.Free()
+
+
+class GradcommVariant(Variant):
+    def __init__(self, base: nn.Module, lr: float, backend: str, options: dict[str, Any]) -> None:
+        import gradcomm
+
+        self.name = f"gradcomm+{backend}"
+        self.backend = backend
+        self.options = options
+        self.comm = gradcomm.init(backend)
+        super().__init__(base, lr)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from gradcomm.hooks import GradientReducer
+
+        self.reducer = GradientReducer(model, self.comm, **self.options)
+        return model
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        # With gradient_as_bucket_view the grads are views into the buckets: zero, don't free.
+        self.optimizer.zero_grad(set_to_none=not self.options.get("gradient_as_bucket_view"))
+        loss = F.cross_entropy(self.module(x), y)
+        loss.backward()
+        self.optimizer.step()
+
+    def close(self) -> None:
+        self.reducer.remove()
+        self.comm.close()
+
+
+def build_variant(name: str, base: nn.Module, lr: float, options: dict[str, Any]) -> Variant:
+    if name == "local":
+        return Variant(base, lr)
+    if name == "ddp":
+        return DDPVariant(base, lr)
+    if name == "old+gloo":
+        return OldGlooVariant(base, lr)
+    if name == "old+mpi":
+        return OldMPIVariant(base, lr)
+    if name.startswith("gradcomm+"):
+        return GradcommVariant(base, lr, name.split("+", 1)[1], options)
+    raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+# ----------------------------------------------------------------------------- measurement
+def init_default_group(mpi_comm: Any) -> None:
+    """torch's default gloo process group for DDP and old+gloo; rank 0 broadcasts the port."""
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    timeout = datetime.timedelta(seconds=300)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
+        port = mpi_comm.bcast(store.port, root=0)
+    else:
+        port = mpi_comm.bcast(None, root=0)
+        store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def rotations(items: Sequence[str], rounds: int) -> Iterator[list[str]]:
+    """Round ``r`` runs the items starting at index ``r mod len``: every item goes first in turn."""
+    for r in range(rounds):
+        k = r % len(items)
+        yield list(items[k:]) + list(items[:k])
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile), by ``statistics.quantiles`` (exclusive)."""
+    q1, med, q3 = statistics.quantiles(values, n=4)
+    return q1, med, q3
+
+
+def param_digest(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+
+
+def bench_model(
+    model_name: str, variant_names: Sequence[str], args: argparse.Namespace, mpi_comm: Any,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    from mpi4py import MPI
+
+    rank = mpi_comm.Get_rank()
+    base = build_model(model_name)
+    nparams = sum(p.numel() for p in base.parameters())
+    batches = make_batches(model_name, rank)
+    variants = {name: build_variant(name, base, args.lr, options) for name in variant_names}
+    step_index = {name: 0 for name in variant_names}
+
+    def run(name: str, steps: int, times: list[float] | None) -> None:
+        v = variants[name]
+        for _ in range(steps):
+            x, y = batches[step_index[name] % len(batches)]
+            step_index[name] += 1
+            t0 = time.perf_counter()
+            v.step(x, y)
+            if times is not None:
+                times.append(time.perf_counter() - t0)
+
+    for name in variant_names:  # warm-up
+        mpi_comm.Barrier()
+        run(name, args.warmup, None)
+    local: dict[str, list[float]] = {name: [] for name in variant_names}
+    for order in rotations(list(variant_names), args.rounds):
+        for name in order:
+            mpi_comm.Barrier()
+            run(name, 1, None)  # the first step after a switch re-warms the caches: untimed
+            run(name, args.steps, local[name])
+    gathered = mpi_comm.gather(local, root=0)
+
+    # Every variant did the same steps on the same data: the distributed ones must agree.
+    digests = {name: param_digest(v.model) for name, v in variants.items()}
+    spread = {}
+    for name, d in digests.items():
+        lo, hi = d.clone(), d.clone()
+        mpi_comm.Allreduce(MPI.IN_PLACE, lo.numpy(), op=MPI.MIN)
+        mpi_comm.Allreduce(MPI.IN_PLACE, hi.numpy(), op=MPI.MAX)
+        spread[name] = float((hi - lo).abs().max())
+    ref = digests.get("ddp")
+    vs_ddp = {n: (None if ref is None else float((d - ref).abs().max()))
+              for n, d in digests.items()}
+    for v in variants.values():
+        v.close()
+    if rank != 0:
+        return {}
+    out: dict[str, Any] = {"model": model_name, "params": nparams, "variants": {}}
+    for name in variant_names:
+        per_step = [max(g[name][i] for g in gathered) for i in range(len(gathered[0][name]))]
+        q1, med, q3 = quartiles(per_step)
+        out["variants"][name] = {
+            "median_ms": med * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
+            "iqr_ms": (q3 - q1) * 1e3, "steps": len(per_step),
+            "step_ms": [t * 1e3 for t in per_step],
+            "param_spread_across_ranks": spread[name],
+            "max_abs_param_diff_vs_ddp": vs_ddp[name],
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+def ratio(result: dict[str, Any], a: str, b: str) -> float | None:
+    v = result["variants"]
+    if a not in v or b not in v:
+        return None
+    return float(v[a]["median_ms"] / v[b]["median_ms"])
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"model {result['model']} ({result['params'] / 1e6:.2f}M params)",
+        f"  {'variant':<15} {'median ms':>10} {'IQR ms':>8} {'x ddp':>7} {'x old':>7}"
+        f" {'rank spread':>12} {'vs ddp':>9}",
+    ]
+    for name, v in result["variants"].items():
+        backend = name.split("+", 1)[1] if "+" in name else ""
+        x_ddp = ratio(result, name, "ddp")
+        x_old = ratio(result, name, f"old+{backend}") if name.startswith("gradcomm+") else None
+        diff = v["max_abs_param_diff_vs_ddp"]
+        lines.append(
+            f"  {name:<15} {v['median_ms']:>10.2f} {v['iqr_ms']:>8.2f} "
+            f"{'' if x_ddp is None else f'{x_ddp:.3f}':>7} "
+            f"{'' if x_old is None else f'{x_old:.3f}':>7} "
+            f"{v['param_spread_across_ranks']:>12.1e} {'' if diff is None else f'{diff:.1e}':>9}"
+        )
+    return lines
+
+
+def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 3's step-time targets, each with the measured ratio and whether it holds."""
+    checks: list[dict[str, Any]] = []
+    for res in results:
+        r = ratio(res, "gradcomm+gloo", "ddp")
+        if r is not None:
+            checks.append({"target": f"gradcomm+gloo <= 1.0x ddp ({res['model']})",
+                           "ratio": r, "holds": r <= 1.0})
+        if res["model"] == "mlp":
+            for name, limit, ref in (("gradcomm+mpi", 0.75, "ddp"),
+                                     ("gradcomm+gloo", 0.9, "old+gloo"),
+                                     ("gradcomm+mpi", 0.9, "old+mpi")):
+                r = ratio(res, name, ref)
+                if r is not None:
+                    checks.append({"target": f"{name} <= {limit}x {ref} (mlp)",
+                                   "ratio": r, "holds": r <= limit})
+    return checks
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS),
+                   help="comma-separated: mlp,conv,transformer")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradcomm bucket cap (MiB)")
+    p.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
+                   default=True, help="gradcomm: grads are views into the buckets (default on)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file (default benchmarks/results/step_time_<n>ranks.json)")
+    args = p.parse_args(argv)
+    if args.rounds * args.steps < 50:
+        p.error("need --rounds * --steps >= 50 timed steps")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from mpi4py import MPI
+
+    mpi_comm = MPI.COMM_WORLD
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"unknown model {m!r}; known: {', '.join(MODELS)}")
+    for v in names:
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+    options = {"bucket_cap_mb": args.bucket_cap_mb,
+               "gradient_as_bucket_view": args.gradient_as_bucket_view}
+    init_default_group(mpi_comm)
+    load_start = os.getloadavg()
+    results = []
+    for model in models:
+        res = bench_model(model, names, args, mpi_comm, options)
+        if rank == 0:
+            results.append(res)
+            print("\n".join(table(res)), flush=True)
+    if rank == 0:
+        checks = targets(results)
+        print("targets:")
+        for c in checks:
+            print(f"  {'HOLDS ' if c['holds'] else 'MISSED'} {c['target']}: {c['ratio']:.3f}x")
+        doc = {
+            "meta": {
+                "command": " ".join(["mpiexec -n", str(size), "python", *sys.argv]),
+                "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"),
+                "world_size": size, "host": platform.node(), "cpu_count": os.cpu_count(),
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                "torch": torch.__version__, "rounds": args.rounds, "steps": args.steps,
+                "warmup": args.warmup, "gradcomm_options": options,
+                "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                "step": "max over ranks of zero_grad+forward+loss+backward(+reduce)+SGD step",
+            },
+            "results": results,
+            "targets": checks,
+        }
+        out = args.out or RESULTS_DIR / f"step_time_{size}ranks.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""gradcomm.bench: the all-reduce sweep behind ``python -m gradcomm.bench``.
+
+The sweep reports what nccl-tests' ``all_reduce_perf`` reports -- size (bytes), count (elements),
+type, redop, time (us), algbw and busbw (GB/s, ``busbw = algbw * 2(n-1)/n``, see nccl-tests'
+``doc/PERFORMANCE.md``) -- for gradcomm's ``Communicator.all_reduce``, with the raw transport
+(``torch.distributed.all_reduce`` for gloo, mpi4py's ``Allreduce`` for mpi) measured beside it so
+gradcomm's own overhead is a ratio. Results go to the terminal (rank 0), JSON, CSV and a plot.
+"""
+
+from .metrics import algbw, busbw, busbw_factor, parse_dtype, parse_size, size_sweep
+from .plot import plot_busbw
+from .results import SweepResult, SweepRow, format_table, read_json, write_csv, write_json
+from .sweep import MPIRaw, RawTransport, TorchDistRaw, make_raw_transport, run_sweep
+
+__all__ = [
+    "algbw",
+    "busbw",
+    "busbw_factor",
+    "parse_size",
+    "parse_dtype",
+    "size_sweep",
+    "SweepRow",
+    "SweepResult",
+    "format_table",
+    "read_json",
+    "write_csv",
+    "write_json",
+    "plot_busbw",
+    "RawTransport",
+    "TorchDistRaw",
+    "MPIRaw",
+    "make_raw_transport",
+    "run_sweep",
+]

@@ -1,0 +1,212 @@
+"""``python -m gradcomm.bench``: all-reduce sweep in the nccl-tests format, with the raw transport.
+
+Examples::
+
+    mpiexec -n 2 python -m gradcomm.bench --backend gloo --backend mpi --json sweep.json
+    torchrun --nproc-per-node 2 -m gradcomm.bench -b 8 -e 256M --csv sweep.csv
+    python -m gradcomm.bench --plot busbw.png sweep-*.json     # plot saved runs, no launch
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (options named after nccl-tests' ``all_reduce_perf`` where it has one)."""
+    from .metrics import parse_size
+
+    def size_arg(text: str) -> int:
+        try:
+            return parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    p = argparse.ArgumentParser(
+        prog="python -m gradcomm.bench",
+        description=(
+            "All-reduce sweep in the nccl-tests format (size, count, type, redop, time, algbw, "
+            "busbw = algbw * 2(n-1)/n), gradcomm beside the raw transport it runs on. Launch "
+            "with mpiexec or torchrun; rank 0 prints. Given JSON files, only plots them."
+        ),
+    )
+    p.add_argument("results", nargs="*", type=Path, metavar="JSON",
+                   help="saved --json results to plot with --plot (no benchmark is run)")
+    p.add_argument("-b", "--minbytes", type=size_arg, default=8,
+                   help="smallest message in bytes; K/M/G suffixes are powers of 1024 (default 8)")
+    p.add_argument("-e", "--maxbytes", type=size_arg, default=64 * 1024**2,
+                   help="largest message in bytes (default 64M; 256M works but is slow here)")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0,
+                   help="multiply the size by this per step (default 2)")
+    p.add_argument("-d", "--dtype", default="float32",
+                   help="float32 (float), float64 (double), float16 (half), bfloat16, int8, "
+                        "uint8, int32, int64 (default float32)")
+    p.add_argument("-o", "--op", default="sum", help="sum, prod, min, max or avg (default sum)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed calls per round (default 20)")
+    p.add_argument("-w", "--warmup", type=int, default=5, help="untimed calls first (default 5)")
+    p.add_argument("-r", "--repeats", type=int, default=3,
+                   help="interleaved rounds of gradcomm and raw; median reported (default 3)")
+    p.add_argument("--backend", action="append", default=None,
+                   help="gradcomm backend; repeat for several (default: gradcomm's rule, "
+                        "GRADCOMM_BACKEND, else nccl with CUDA, else gloo)")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw transport's column")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds per collective before giving up (default 300)")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--csv", type=Path, default=None, help="write the results as CSV here")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="draw busbw against size to this image (needs matplotlib)")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.results and args.plot is None:
+        p.error("JSON files were given: add --plot OUT.png to plot them")
+    if args.iters < 1 or args.repeats < 1 or args.warmup < 0:
+        p.error("need --iters >= 1, --repeats >= 1 and --warmup >= 0")
+    if args.minbytes < 1 or args.maxbytes < args.minbytes:
+        p.error("need 1 <= --minbytes <= --maxbytes")
+    if args.stepfactor <= 1:
+        p.error("--stepfactor must be > 1")
+
+
+def _plot_only(args: argparse.Namespace) -> int:
+    from .plot import plot_busbw
+    from .results import read_json
+
+    results = [read_json(path) for path in args.results]
+    labels = plot_busbw(results, args.plot)
+    print(f"wrote {args.plot}: {', '.join(labels)}")
+    return 0
+
+
+def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str, Any]:
+    import torch
+
+    return {
+        "tool": "gradcomm.bench",
+        "collective": "all_reduce",
+        "command": " ".join([os.path.basename(sys.executable), "-m", "gradcomm.bench",
+                             *sys.argv[1:]]),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "world_size": world_size,
+        "launcher": launcher,
+        "dtype": args.dtype,
+        "op": args.op,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "time": "median over repeats of the max over ranks of the mean per call",
+        "busbw": "algbw * 2(n-1)/n (nccl-tests doc/PERFORMANCE.md)",
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweep (or, given JSON files, only plot them); return the exit status.
+
+    Raises:
+        ImportError: ``--plot`` without matplotlib, or a backend's package is missing.
+        ValueError: unknown dtype, op or backend.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    if args.results:
+        return _plot_only(args)
+    if args.plot is not None:  # fail before any rendezvous, on every rank
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+
+    import torch
+
+    from .. import comm as gc
+    from ..comm.types import ReduceOp
+    from .metrics import dtype_name, parse_dtype, size_sweep
+    from .results import SweepResult, format_table, write_csv, write_json
+    from .sweep import make_raw_transport, run_sweep
+
+    dtype = parse_dtype(args.dtype)
+    op = ReduceOp.coerce("product" if args.op.strip().lower() == "prod" else args.op)
+    backends = []
+    for entry in args.backend or [gc.select_backend().name]:
+        backends += [b.strip() for b in entry.split(",") if b.strip()]
+    elem = torch.empty((), dtype=dtype).element_size()
+    sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor, elem)
+    if not sizes:
+        parser.error(f"no size between --minbytes and --maxbytes holds one {args.dtype} element")
+    launch = gc.detect_launch()
+    rank0 = launch.rank == 0
+
+    def say(line: str) -> None:
+        if rank0:
+            print(line, flush=True)
+
+    result = SweepResult(meta=_meta(args, launch.world_size, launch.launcher.value))
+    result.meta["backends"] = backends
+    say(f"# gradcomm.bench all_reduce: {launch.world_size} ranks ({launch.launcher.value}), "
+        f"{dtype_name(dtype)} {args.op}, sizes {sizes[0]}..{sizes[-1]} B, iters {args.iters}, "
+        f"warmup {args.warmup}, repeats {args.repeats}, OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    say("# time: median over repeats of the max over ranks of the mean per call; "
+        "busbw = algbw * 2(n-1)/n (nccl-tests)")
+    for name in backends:
+        comm = gc.init(name, timeout=args.timeout)
+        raw = None if args.no_raw else make_raw_transport(comm, args.timeout)
+        try:
+            say("#")
+            if raw is not None and not raw.supports(dtype, op):
+                say(f"# {raw.name} cannot reduce {dtype_name(dtype)} with {args.op}: "
+                    "no raw column")
+            header_done = False
+
+            def show(row: Any) -> None:
+                nonlocal header_done
+                lines = format_table([row])
+                if not header_done:
+                    for line in lines[:-1]:
+                        say(line)
+                    header_done = True
+                say(lines[-1])
+
+            rows = run_sweep(comm, sizes, dtype, op, iters=args.iters, warmup=args.warmup,
+                             repeats=args.repeats, raw=raw, progress=show)
+            result.rows += rows
+            wrong = sum(r.wrong for r in rows)
+            verdict = "OK" if wrong == 0 else "FAILED"
+            say(f"# {comm.backend}: out of bounds values: {wrong} {verdict}")
+        finally:
+            if raw is not None:
+                raw.close()
+            comm.close()
+    if rank0:
+        if args.json is not None:
+            write_json(result, args.json)
+            print(f"# wrote {args.json}")
+        if args.csv is not None:
+            write_csv(result.rows, args.csv)
+            print(f"# wrote {args.csv}")
+        if args.plot is not None:
+            from .plot import plot_busbw
+
+            plot_busbw([result], args.plot)
+            print(f"# wrote {args.plot}")
+    return 1 if any(r.wrong for r in result.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

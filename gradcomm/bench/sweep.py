@@ -1,0 +1,317 @@
+"""The all-reduce sweep: gradcomm's ``all_reduce`` timed beside the raw transport under it.
+
+Timing follows nccl-tests: warm-up calls, a barrier, ``iters`` back-to-back blocking calls timed on
+each rank, the mean per call, then the maximum over ranks (nccl-tests reduces its per-rank times
+with ``-a``; the maximum is the conservative choice, the slowest rank bounds a step). Because
+these machines are shared and noisy, the gradcomm and raw measurements are interleaved:
+``repeats`` rounds alternate the two (swapping which goes first), and the reported time is the
+median over rounds.
+
+The buffers hold values every op leaves unchanged (zeros; ones for ``prod``), so repeated in-place
+reductions never overflow or produce denormals that would slow the arithmetic. After timing, one
+all-reduce of rank-dependent values is checked against the exact result (the ``#wrong`` column).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..comm.communicator import Communicator
+from ..comm.launcher import detect_launch
+from ..comm.types import ReduceOp
+from .metrics import algbw, busbw, dtype_name, op_name
+from .results import SweepRow
+
+__all__ = ["RawTransport", "TorchDistRaw", "MPIRaw", "make_raw_transport", "run_sweep"]
+
+# dtypes gloo and MPI reduce natively (16-bit floats have no standard MPI datatype).
+_NATIVE_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
+)
+
+
+class RawTransport:
+    """The transport under a gradcomm backend, called directly (the overhead baseline).
+
+    Subclasses implement :meth:`supports`, :meth:`all_reduce` and :meth:`close`.
+    """
+
+    #: What the raw column measured, e.g. ``"torch.distributed (gloo)"``.
+    name = "raw"
+
+    def supports(self, dtype: torch.dtype, op: ReduceOp) -> bool:
+        """True when the transport reduces ``dtype`` with ``op`` natively."""
+        raise NotImplementedError
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """Reduce the contiguous CPU ``tensor`` in place across all ranks (blocking)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the transport holds."""
+
+
+class TorchDistRaw(RawTransport):
+    """``torch.distributed.all_reduce`` on a process group of its own (gloo, or nccl).
+
+    The group is torch's default process group when none exists yet (the CLI's case), else a new
+    group of every rank. Its rendezvous goes through ``comm``: rank 0 opens a TCPStore on a port
+    the OS picks and broadcasts its address, so it never collides with the store gradcomm's own
+    communicator opened at ``MASTER_ADDR:MASTER_PORT``, under torchrun and mpiexec alike.
+
+    Args:
+        backend: torch.distributed backend name (``"gloo"``, ``"nccl"``).
+        comm: a gradcomm communicator of the same ranks (used only for the rendezvous).
+        timeout: seconds for the rendezvous and each collective.
+
+    Raises:
+        RuntimeError: the rendezvous failed.
+    """
+
+    _OPS: ClassVar[dict[ReduceOp, str]] = {
+        ReduceOp.SUM: "SUM",
+        ReduceOp.PRODUCT: "PRODUCT",
+        ReduceOp.MIN: "MIN",
+        ReduceOp.MAX: "MAX",
+    }
+    _DTYPES: ClassVar[frozenset[torch.dtype]] = _NATIVE_DTYPES
+
+    def __init__(self, backend: str, comm: Communicator, timeout: float = 300.0) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.name = f"torch.distributed ({backend})"
+        self._owns_default = not dist.is_initialized()
+        if not self._owns_default:
+            self._group: dist.ProcessGroup | None = dist.new_group(backend=backend)
+            return
+        td = datetime.timedelta(seconds=timeout)
+        store: dist.Store
+        if comm.world_size == 1:
+            store = dist.HashStore()
+        else:
+            address = torch.zeros(256, dtype=torch.uint8)
+            server = None
+            if comm.rank == 0:
+                host = "127.0.0.1" if _single_host() else socket.gethostbyname(socket.getfqdn())
+                server = dist.TCPStore(host, 0, comm.world_size, True, timeout=td,
+                                       wait_for_workers=False)
+                text = f"{host}:{server.port}".encode()
+                address[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+            comm.broadcast(address, src=0)
+            host, port = bytes(address[address > 0].tolist()).decode().rsplit(":", 1)
+            store = server if server is not None else dist.TCPStore(
+                host, int(port), comm.world_size, False, timeout=td
+            )
+        dist.init_process_group(
+            backend, store=store, rank=comm.rank, world_size=comm.world_size, timeout=td
+        )
+        self._group = None
+
+    def supports(self, dtype: torch.dtype, op: ReduceOp) -> bool:
+        return dtype in self._DTYPES and op in self._OPS
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        red = getattr(self._dist.ReduceOp, self._OPS[op])
+        self._dist.all_reduce(tensor, op=red, group=self._group)
+
+    def close(self) -> None:
+        if self._owns_default and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+        elif self._group is not None:
+            self._dist.destroy_process_group(self._group)
+
+
+class MPIRaw(RawTransport):
+    """mpi4py's ``Allreduce(MPI.IN_PLACE, buf, op)`` on a duplicate of ``MPI.COMM_WORLD``.
+
+    The tensor is handed to MPI as a NumPy view (no copy). float16/bfloat16 have no standard MPI
+    datatype, so they are not measured.
+
+    Raises:
+        ImportError: mpi4py is missing (pip install mpi4py).
+    """
+
+    name = "mpi4py"
+    _DTYPES: ClassVar[frozenset[torch.dtype]] = _NATIVE_DTYPES
+
+    def __init__(self) -> None:
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise ImportError("the raw MPI measurement needs mpi4py: pip install mpi4py") from exc
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD.Dup()
+        self._ops = {
+            ReduceOp.SUM: MPI.SUM,
+            ReduceOp.PRODUCT: MPI.PROD,
+            ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX,
+        }
+
+    def supports(self, dtype: torch.dtype, op: ReduceOp) -> bool:
+        return dtype in self._DTYPES and op in self._ops
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        self._comm.Allreduce(self._mpi.IN_PLACE, tensor.numpy(), op=self._ops[op])
+
+    def close(self) -> None:
+        self._comm.Free()
+
+
+def _single_host() -> bool:
+    launch = detect_launch()
+    return launch.local_world_size == launch.world_size
+
+
+def make_raw_transport(comm: Communicator, timeout: float = 300.0) -> RawTransport | None:
+    """The raw transport under ``comm``'s backend, or None when there is none to compare.
+
+    ``gloo``/``nccl``: :class:`TorchDistRaw`; ``mpi``: :class:`MPIRaw`.
+    """
+    backend = comm.backend
+    if backend in ("gloo", "nccl"):
+        return TorchDistRaw(backend, comm, timeout)
+    if backend == "mpi":
+        return MPIRaw()
+    return None
+
+
+def _timed(fn: Callable[[], object], iters: int, barrier: Callable[[], object]) -> float:
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def _expected(op: ReduceOp, world_size: int) -> float:
+    # Rank r contributes (r % 2) + 1: ranks alternate 1, 2.
+    twos = world_size // 2
+    if op is ReduceOp.SUM:
+        return float(world_size + twos)
+    if op is ReduceOp.AVG:
+        return (world_size + twos) / world_size
+    if op is ReduceOp.PRODUCT:
+        return float(2**twos)
+    if op is ReduceOp.MIN:
+        return 1.0
+    return 2.0 if world_size > 1 else 1.0
+
+
+def _count_wrong(tensor: torch.Tensor, op: ReduceOp, world_size: int) -> int:
+    want = _expected(op, world_size)
+    if tensor.is_floating_point():
+        target = torch.tensor(want, dtype=torch.float64).to(tensor.dtype)
+        tol = 4 * torch.finfo(tensor.dtype).eps
+        ok = torch.isclose(tensor.double(), target.double(), rtol=tol, atol=0.0)
+    else:  # integers wrap as the transport's arithmetic does
+        target = torch.tensor(int(want), dtype=torch.int64).to(tensor.dtype)
+        ok = tensor == target
+    return int((~ok).sum())
+
+
+def run_sweep(
+    comm: Communicator,
+    sizes: Sequence[int],
+    dtype: torch.dtype,
+    op: ReduceOp | str = ReduceOp.SUM,
+    *,
+    iters: int = 20,
+    warmup: int = 5,
+    repeats: int = 3,
+    raw: RawTransport | None = None,
+    progress: Callable[[SweepRow], Any] | None = None,
+) -> list[SweepRow]:
+    """Time ``comm.all_reduce`` (and ``raw``'s) for every size; call on every rank.
+
+    Args:
+        comm: the communicator under test; its device must be the CPU (the buffers are).
+        sizes: message sizes in bytes (multiples of the element size; see ``size_sweep``).
+        dtype: element type of the buffers.
+        op: reduction op.
+        iters: timed calls per round (nccl-tests' ``-n``).
+        warmup: untimed calls before the first round (nccl-tests' ``-w``).
+        repeats: interleaved rounds of (gradcomm, raw); the time is the median over rounds of
+            the max over ranks of the per-call mean.
+        raw: the transport to compare with, or None to skip the raw column.
+        progress: called on every rank with each finished row.
+
+    Returns:
+        One :class:`SweepRow` per size, identical on every rank.
+
+    Raises:
+        ValueError: ``iters``, ``repeats`` < 1, ``warmup`` < 0, or a size that is not a positive
+            multiple of the element size.
+        TypeError, ValueError, RuntimeError: as :meth:`Communicator.all_reduce`.
+    """
+    op = ReduceOp.coerce(op)
+    if iters < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"need iters >= 1, repeats >= 1, warmup >= 0; got {iters}, {repeats}, {warmup}"
+        )
+    elem = torch.empty((), dtype=dtype).element_size()
+    for size in sizes:
+        if size < elem or size % elem:
+            raise ValueError(f"size {size} is not a positive multiple of {dtype}'s {elem} bytes")
+    use_raw = raw is not None and raw.supports(dtype, op)
+    n = comm.world_size
+    rows: list[SweepRow] = []
+    for size in sizes:
+        count = size // elem
+        buf = (torch.ones if op is ReduceOp.PRODUCT else torch.zeros)(count, dtype=dtype)
+
+        variants: list[tuple[str, Callable[[], object]]] = [
+            ("ours", functools.partial(comm.all_reduce, buf, op))
+        ]
+        if raw is not None and use_raw:
+            variants.append(("raw", functools.partial(raw.all_reduce, buf, op)))
+        for _ in range(warmup):
+            for _, fn in variants:
+                fn()
+        local: list[float] = []
+        for rep in range(repeats):
+            order = variants if rep % 2 == 0 else variants[::-1]
+            got = {name: _timed(fn, iters, comm.barrier) for name, fn in order}
+            local += [got["ours"], got.get("raw", 0.0)]
+        times = torch.tensor(local, dtype=torch.float64)
+        comm.all_reduce(times, ReduceOp.MAX)
+        t_ours = statistics.median(times[0::2].tolist())
+        t_raw = statistics.median(times[1::2].tolist()) if use_raw else None
+
+        buf.fill_(comm.rank % 2 + 1)
+        comm.all_reduce(buf, op)
+        wrong = _count_wrong(buf, op, n)
+        row = SweepRow(
+            backend=comm.backend,
+            transport=raw.name if raw is not None else "none",
+            size=size,
+            count=count,
+            type=dtype_name(dtype),
+            redop=op_name(op),
+            world_size=n,
+            time_us=t_ours * 1e6,
+            algbw=algbw(size, t_ours),
+            busbw=busbw(size, t_ours, n),
+            raw_time_us=None if t_raw is None else t_raw * 1e6,
+            raw_algbw=None if t_raw is None else algbw(size, t_raw),
+            raw_busbw=None if t_raw is None else busbw(size, t_raw, n),
+            wrong=wrong,
+        )
+        if not all(math.isfinite(v) for v in (row.time_us, row.algbw, row.busbw)):
+            raise RuntimeError(f"non-finite measurement at {size} bytes: {row}")
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+        del buf
+    return rows

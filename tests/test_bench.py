@@ -1,0 +1,221 @@
+"""Tests of gradcomm.bench: formulas, size sweeps, writers, plot, and tiny real sweeps (no timing
+assertions: only that the output has nccl-tests' columns with positive, finite values)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradcomm.bench import (
+    SweepResult,
+    SweepRow,
+    algbw,
+    busbw,
+    busbw_factor,
+    format_table,
+    parse_dtype,
+    parse_size,
+    read_json,
+    size_sweep,
+    write_csv,
+    write_json,
+)
+from gradcomm.bench.__main__ import main
+
+from dist_utils import REPO_ROOT, run_mpi, run_processes
+
+MiB = 1024**2
+
+
+def _row(size: int = 1024, **kw: object) -> SweepRow:
+    fields: dict[str, object] = dict(
+        backend="gloo", transport="torch.distributed (gloo)", size=size, count=size // 4,
+        type="float32", redop="sum", world_size=2, time_us=100.0, algbw=size / 1e9 / 1e-4,
+        busbw=size / 1e9 / 1e-4, raw_time_us=80.0, raw_algbw=1.0, raw_busbw=1.0, wrong=0,
+    )
+    fields.update(kw)
+    return SweepRow(**fields)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- formulas
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 64])
+def test_busbw_is_nccl_tests_definition(n: int) -> None:
+    # nccl-tests doc/PERFORMANCE.md: algbw = S / t; all-reduce busbw = algbw * 2 (n - 1) / n.
+    size, seconds = 3 * MiB, 1.5e-3
+    assert algbw(size, seconds) == pytest.approx(size / seconds / 1e9, rel=1e-15)
+    assert busbw(size, seconds, n) == pytest.approx(size / seconds / 1e9 * 2 * (n - 1) / n)
+    assert busbw_factor(n) == pytest.approx(2 * (n - 1) / n)
+
+
+def test_busbw_known_values() -> None:
+    assert algbw(10**9, 1.0) == 1.0  # 1e9 bytes in one second is 1 GB/s (decimal GB)
+    assert busbw(10**9, 1.0, 1) == 0.0  # one rank moves nothing
+    assert busbw(10**9, 1.0, 2) == 1.0  # two ranks: busbw equals algbw
+    assert busbw(10**9, 1.0, 8) == 1.75
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, math.inf, math.nan])
+def test_algbw_rejects_bad_time(seconds: float) -> None:
+    with pytest.raises(ValueError, match="seconds"):
+        algbw(8, seconds)
+
+
+def test_busbw_factor_rejects_bad_world_size() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        busbw_factor(0)
+    with pytest.raises(TypeError):
+        busbw_factor(2.0)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- sizes and names
+def test_default_sweep_is_powers_of_two_from_8_bytes() -> None:
+    sizes = size_sweep(8, 64 * MiB, 2)
+    assert sizes == [8 * 2**k for k in range(24)]
+    assert sizes[-1] == 64 * MiB
+    assert size_sweep(8, 256 * MiB, 2)[-1] == 256 * MiB
+
+
+def test_sweep_rounds_to_whole_elements() -> None:
+    assert size_sweep(2, 32, 2, element_size=4) == [4, 8, 16, 32]  # 2 B holds no float32
+    assert size_sweep(10, 100, 3, element_size=8) == [8, 24, 88]  # 10, 30, 90 rounded down
+    assert size_sweep(1, 3, 2, element_size=8) == []
+    assert size_sweep(8, 8, 2) == [8]
+
+
+@pytest.mark.parametrize(
+    ("minb", "maxb", "factor", "match"),
+    [(0, 8, 2, "minbytes"), (16, 8, 2, "maxbytes"), (8, 64, 1, "stepfactor")],
+)
+def test_sweep_rejects_bad_bounds(minb: int, maxb: int, factor: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        size_sweep(minb, maxb, factor)
+
+
+def test_parse_size_accepts_nccl_tests_suffixes() -> None:
+    assert parse_size("8") == 8
+    assert parse_size("64K") == 64 * 1024
+    assert parse_size("64M") == 64 * MiB
+    assert parse_size("256MiB") == 256 * MiB
+    assert parse_size("1g") == 1024**3
+    for bad in ("", "1.5M", "-8", "12Q"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_parse_dtype_names() -> None:
+    assert parse_dtype("float") is torch.float32
+    assert parse_dtype("half") is torch.float16
+    assert parse_dtype("torch.bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="known"):
+        parse_dtype("complex32")
+
+
+# ----------------------------------------------------------------------------- writers
+def test_json_round_trip(tmp_path: Path) -> None:
+    rows = [_row(8, raw_time_us=None, raw_algbw=None, raw_busbw=None), _row(4096)]
+    write_json(SweepResult({"world_size": 2}, rows), tmp_path / "r.json")
+    back = read_json(tmp_path / "r.json")
+    assert back.rows == rows
+    assert back.meta == {"world_size": 2}
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["rows"][1]["overhead_us"] == pytest.approx(20.0)
+    assert doc["rows"][1]["overhead_ratio"] == pytest.approx(1.25)
+    assert doc["rows"][0]["overhead_us"] is None
+
+
+def test_read_json_rejects_other_files(tmp_path: Path) -> None:
+    (tmp_path / "x.json").write_text('{"results": []}')
+    with pytest.raises(ValueError, match="rows"):
+        read_json(tmp_path / "x.json")
+    (tmp_path / "y.json").write_text('{"rows": [{"size": 8}]}')
+    with pytest.raises(ValueError, match="lacks"):
+        read_json(tmp_path / "y.json")
+
+
+def test_csv_has_one_line_per_row(tmp_path: Path) -> None:
+    rows = [_row(8, raw_time_us=None, raw_algbw=None, raw_busbw=None), _row(1024)]
+    write_csv(rows, tmp_path / "r.csv")
+    with open(tmp_path / "r.csv", newline="") as fh:
+        got = list(csv.DictReader(fh))
+    assert [int(r["size"]) for r in got] == [8, 1024]
+    assert got[0]["raw_time_us"] == ""
+    assert float(got[1]["time_us"]) == 100.0
+    for column in ("size", "count", "type", "redop", "time_us", "algbw", "busbw"):
+        assert column in got[0]
+
+
+def test_table_has_nccl_tests_columns() -> None:
+    lines = format_table([_row(8), _row(16)])
+    header = " ".join(lines[:3])
+    for word in ("size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong", "(GB/s)"):
+        assert word in header
+    assert lines[3].split()[:4] == ["8", "2", "float32", "sum"]
+    assert len(lines) == 5
+
+
+# ----------------------------------------------------------------------------- command line
+def test_json_files_without_plot_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([str(tmp_path / "r.json")])
+    assert info.value.code == 2
+
+
+def test_plot_without_matplotlib_names_pip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_json(SweepResult({}, [_row(8)]), tmp_path / "r.json")
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        main(["--plot", str(tmp_path / "p.png"), str(tmp_path / "r.json")])
+
+
+def test_plot_from_json_files(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install matplotlib)")
+    write_json(SweepResult({}, [_row(8), _row(1024)]), tmp_path / "a.json")
+    write_json(SweepResult({}, [_row(8, backend="mpi", transport="mpi4py")]), tmp_path / "b.json")
+    out = tmp_path / "p.png"
+    assert main(["--plot", str(out), str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- real sweeps
+def _check_rows(path: Path, backend: str, world_size: int) -> None:
+    result = read_json(path)
+    assert result.meta["world_size"] == world_size
+    rows = [r for r in result.rows if r.backend == backend]
+    assert [r.size for r in rows] == [8, 16, 32, 64, 128, 256, 512, 1024]
+    for r in rows:
+        assert r.count == r.size // 4 and r.type == "float32" and r.redop == "sum"
+        assert r.wrong == 0
+        for value in (r.time_us, r.algbw, r.busbw, r.raw_time_us, r.raw_algbw, r.raw_busbw):
+            assert value is not None and math.isfinite(value) and value > 0
+        # busbw is derived from the reported time by nccl-tests' formula.
+        assert r.busbw == pytest.approx(busbw(r.size, r.time_us * 1e-6, world_size))
+
+
+def _sweep_rank(rank: int, world_size: int, out: str) -> int:
+    return main(["-b", "8", "-e", "1K", "-n", "2", "-w", "1", "-r", "2", "--backend", "gloo",
+                 "--json", out, "--timeout", "60"])
+
+
+def test_tiny_gloo_sweep_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "gloo.json"
+    assert run_processes(_sweep_rank, 2, str(out), timeout=90) == [0, 0]
+    _check_rows(out, "gloo", 2)
+
+
+@pytest.mark.mpi
+def test_tiny_mpi_sweep_under_mpiexec(tmp_path: Path) -> None:
+    pytest.importorskip("gradcomm.comm.backends.mpi", reason="the mpi backend is not in this tree")
+    out = tmp_path / "mpi.json"
+    proc = run_mpi("-m", 2, ["gradcomm.bench", "-b", "8", "-e", "1K", "-n", "2", "-w", "1",
+                             "-r", "2", "--backend", "mpi", "--json", str(out)],
+                   timeout=90, env={"PYTHONPATH": str(REPO_ROOT)})
+    assert "busbw" in proc.stdout
+    _check_rows(out, "mpi", 2)
