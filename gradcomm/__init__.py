@@ -13,6 +13,7 @@ import logging
 
 __version__ = "0.1.0"
 
+from . import profiler
 from .comm import (
     BackendUnavailableError,
     CollectiveTimeoutError,
@@ -29,7 +30,6 @@ from .comm import (
     register_backend,
 )
 from .hooks import CommHook, GradientReducer, apply_gradient_allreduce
-from . import profiler
 
 # A library logs, it does not print; the application decides where records go (logging HOWTO,
 # "Configuring Logging for a Library").

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         "info", help="report launcher, ranks, backends, versions, CUDA and MPI",
         description="Report what gradcomm sees here: launcher and ranks, the backend gradcomm.init "
         "would select and why, every backend's availability, versions, CUDA and CUDA-aware MPI. "
-        "Builds no communicator and never initialises MPI.",
+        "Builds no communicator and does not initialise MPI unless --init-mpi is given.",
     )
     info.add_argument("--json", action="store_true",
                       help="print one JSON object per rank (one line each) instead of text")
@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--no-mpi", dest="include_mpi", action="store_false",
                       help="do not import mpi4py (skips the MPI library version and CUDA-aware "
                       "MPI check)")
+    info.add_argument("--init-mpi", action="store_true",
+                      help="initialise MPI (every rank must) so the CUDA-aware check can ask the "
+                      "MPI library itself (MPIX_Query_cuda_support)")
 
     sub.add_parser(
         "bench", help="collective benchmark sweep (python -m gradcomm.bench)", add_help=False,
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _info(args: argparse.Namespace) -> int:
     from .info import collect_info, format_info
 
-    report = collect_info(backend=args.backend, include_mpi=args.include_mpi)
+    report = collect_info(backend=args.backend, include_mpi=args.include_mpi,
+                          init_mpi=args.init_mpi)
     launch = report["launch"]
     rank = launch.get("rank", 0)
     if args.rank0 and rank != 0:

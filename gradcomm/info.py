@@ -4,10 +4,12 @@
 renders it as text. Nothing here issues a collective or builds a communicator, so the report works
 (and cannot hang) on a half-broken installation, with or without a launcher.
 
-MPI is never initialised: when mpi4py is installed it is imported with
-``mpi4py.rc.initialize = False`` (unless the process already imported it) and only
-``MPI.Get_library_version()`` / ``MPI.Get_version()`` are called, which the MPI standard allows
-before ``MPI_Init``. ``include_mpi=False`` skips mpi4py altogether.
+MPI is not initialised unless asked (``init_mpi=True``, ``gradcomm info --init-mpi``): when
+mpi4py is installed it is imported with ``mpi4py.rc.initialize = False`` (unless the process already
+imported it) and only ``MPI.Get_library_version()`` / ``MPI.Get_version()`` are called, which the
+MPI standard allows before ``MPI_Init``. The CUDA-aware MPI check can ask the library itself
+(``MPIX_Query_cuda_support``) only once MPI is initialised, so without ``--init-mpi`` it may answer
+"could not confirm". ``include_mpi=False`` skips mpi4py altogether.
 """
 
 from __future__ import annotations
@@ -44,14 +46,14 @@ def _dist_version(module: str) -> str | None:
     return "unknown"
 
 
-def _mpi_versions(include_mpi: bool) -> dict[str, Any]:
+def _mpi_versions(include_mpi: bool, init_mpi: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "mpi4py": _dist_version("mpi4py"), "mpi_library": None, "mpi_standard": None,
     }
     if not include_mpi or out["mpi4py"] is None:
         return out
     try:
-        if "mpi4py.MPI" not in sys.modules:
+        if "mpi4py.MPI" not in sys.modules and not init_mpi:
             import mpi4py
 
             mpi4py.rc.initialize = False  # a report must not start MPI (or need mpiexec)
@@ -60,6 +62,7 @@ def _mpi_versions(include_mpi: bool) -> dict[str, Any]:
 
         out["mpi_library"] = MPI.Get_library_version().strip()
         out["mpi_standard"] = "{}.{}".format(*MPI.Get_version())
+        out["mpi_initialized"] = bool(MPI.Is_initialized())
     except Exception as exc:  # noqa: BLE001 - a broken MPI install is exactly what to report
         out["mpi_library"] = f"error: {type(exc).__name__}: {exc}"
     return out
@@ -103,6 +106,7 @@ def collect_info(
     *,
     backend: str | None = None,
     include_mpi: bool = True,
+    init_mpi: bool = False,
 ) -> dict[str, Any]:
     """Gather the environment report as a JSON-serialisable dict.
 
@@ -112,6 +116,8 @@ def collect_info(
             or auto), to report what it would select and why.
         include_mpi: import mpi4py (without initialising MPI) for the MPI library version and
             the CUDA-aware MPI check.
+        init_mpi: let importing mpi4py initialise MPI, so the CUDA-aware check can ask the
+            library (``MPIX_Query_cuda_support``); under a launcher every rank must do the same.
 
     Returns:
         A dict with keys ``gradcomm``, ``python``, ``host``, ``launch`` (launcher, rank,
@@ -155,13 +161,17 @@ def collect_info(
                              "error": str(exc)}
 
     cuda = _cuda_info()
-    mpi = _mpi_versions(include_mpi)
+    mpi = _mpi_versions(include_mpi, init_mpi)
+    mpi_initialized = mpi.pop("mpi_initialized", False)
     report["versions"] = {
         "gradcomm": __version__, "torch": torch.__version__, "torch_cuda": cuda.pop("torch_cuda"),
         "nccl": cuda.pop("nccl"), **mpi, "cupy": _dist_version("cupy"),
     }
     report["cuda"] = cuda
-    report["cuda_aware_mpi"] = _cuda_aware_mpi(env, include_mpi)
+    aware = _cuda_aware_mpi(env, include_mpi)
+    if include_mpi and mpi["mpi4py"] is not None and not mpi_initialized:
+        aware["reason"] += " [MPI not initialised: --init-mpi lets the library answer]"
+    report["cuda_aware_mpi"] = aware
     report["env"] = {k: v for k, v in sorted(env.items()) if k.startswith("GRADCOMM_")}
     return report
 

@@ -102,7 +102,9 @@ def bus_factor(op: str, world_size: int) -> float:
         return 1.0
     if op == "barrier":
         return 0.0
-    raise ValueError(f"unknown collective {op!r}; known: all_reduce, all_gather, broadcast, barrier")
+    raise ValueError(
+        f"unknown collective {op!r}; known: all_reduce, all_gather, broadcast, barrier"
+    )
 
 
 def _gbps(nbytes: float, seconds: float) -> float:
@@ -201,7 +203,8 @@ class Profiler:
     """Records every collective of one :class:`~gradcomm.comm.Communicator` while attached.
 
     Normally built by :func:`profile` or :func:`attach_from_env`; :meth:`attach` /
-    :meth:`detach` do it by hand. Implements :class:`~gradcomm.comm.communicator.CollectiveObserver`.
+    :meth:`detach` do it by hand. Implements
+    :class:`~gradcomm.comm.communicator.CollectiveObserver`.
 
     Args:
         comm: the communicator to observe.

@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import REPO_ROOT, run_mpi
+import torch
 
+import gradcomm
 from gradcomm.info import collect_info, format_info
+
+from dist_utils import REPO_ROOT, run_mpi
 
 # Variables that would make the child look launched (torchrun, MPI, SLURM) or pick a backend.
 _LAUNCH_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_", "PMI_",
@@ -41,9 +44,6 @@ def test_plain_json_single_process() -> None:
     assert report["backend"]["reason"].startswith("auto")
     assert report["backend"]["available"] is True
     assert report["backends"]["gloo"] == {"available": True, "reason": ""}
-    import gradcomm
-    import torch
-
     assert report["versions"]["gradcomm"] == gradcomm.__version__
     assert report["versions"]["torch"] == torch.__version__
     assert report["cuda"]["available"] is torch.cuda.is_available()
@@ -64,7 +64,7 @@ def test_unknown_backend_is_reported_not_raised() -> None:
     report = collect_info({"GRADCOMM_BACKEND": "bogus"}, include_mpi=False)
     assert report["backend"]["selected"] == "bogus"
     assert report["backend"]["available"] is False
-    assert "known: gloo" in report["backend"]["error"]
+    assert "known: " in report["backend"]["error"] and "gloo" in report["backend"]["error"]
     assert "error: unknown backend 'bogus'" in format_info(report)
 
 
@@ -117,13 +117,16 @@ def _write_cli_script(tmp_path: Path) -> Path:
 @pytest.mark.mpi
 def test_info_under_mpiexec_json(tmp_path: Path) -> None:
     script = _write_cli_script(tmp_path)
-    out = run_mpi(script, 2, ["info", "--json"], timeout=90, env={"GRADCOMM_BACKEND": "gloo"})
+    out = run_mpi(script, 2, ["info", "--json", "--init-mpi"], timeout=90,
+                  env={"GRADCOMM_BACKEND": "gloo"})
     reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["launch"]["rank"] for r in reports) == [0, 1]
     for r in reports:
         assert r["launch"]["world_size"] == 2
         assert r["launch"]["launcher"] in ("mpich", "open-mpi", "pmix", "mvapich2")
         assert (r["backend"]["selected"], r["backend"]["reason"]) == ("gloo", "GRADCOMM_BACKEND")
+        assert r["versions"]["mpi_library"]  # the MPI library's own banner
+        assert "MPI not initialised" not in r["cuda_aware_mpi"]["reason"]  # --init-mpi
     only0 = run_mpi(script, 2, ["info", "--json", "--rank0", "--no-mpi"], timeout=90)
     reports = [json.loads(line) for line in only0.stdout.splitlines() if line.startswith("{")]
     assert [r["launch"]["rank"] for r in reports] == [0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -9,11 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_processes
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.profiler import OpRecord, Profiler, bus_factor, profile
+
+from dist_utils import run_processes
 
 
 def _workload(comm: gradcomm.Communicator, prof: Profiler) -> None:
@@ -111,7 +113,7 @@ def _check_trace(trace: dict[str, Any], records: list[OpRecord], rank: int) -> N
     assert len(events) == len(records)
     assert [e["name"] for e in events] == [
         "all_reduce bucket 0", "all_reduce bucket 1", "all_gather", "broadcast", "barrier"]
-    for e, r in zip(events, records):
+    for e, r in zip(events, records, strict=True):
         assert e["pid"] == rank
         assert e["dur"] == pytest.approx(r.duration * 1e6)
         assert e["args"]["bytes"] == r.bytes
@@ -119,7 +121,7 @@ def _check_trace(trace: dict[str, Any], records: list[OpRecord], rank: int) -> N
     for e in events:
         lanes.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
     for spans in lanes.values():  # no overlap within a lane
-        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] + 1e-3 for a, b in itertools.pairwise(spans))
     assert trace["otherData"]["rank"] == rank
 
 

@@ -331,7 +331,9 @@ class Communicator(abc.ABC):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{opname} expects a torch.Tensor, got {type(tensor).__name__}")
         if tensor.layout is not torch.strided:
-            raise TypeError(f"{opname} expects a dense (strided) tensor, got layout {tensor.layout}")
+            raise TypeError(
+                f"{opname} expects a dense (strided) tensor, got layout {tensor.layout}"
+            )
         if tensor.device.type != self._device.type:
             raise ValueError(
                 f"{opname}: tensor is on {tensor.device}, but this {self.backend} communicator "

@@ -1,8 +1,8 @@
 """Launcher detection: rank, world size and local rank from the environment a launcher set.
 
 No MPI library is imported here (importing mpi4py initialises MPI), so detection is cheap and safe
-in any process. Precedence, first match wins: explicit arguments > torchrun > MPI launchers (Open MPI,
-MPICH/Hydra and Intel MPI, PMIx, MVAPICH2) > SLURM > a single process.
+in any process. Precedence, first match wins: explicit arguments > torchrun > MPI launchers
+(Open MPI, MPICH/Hydra and Intel MPI, PMIx, MVAPICH2) > SLURM > a single process.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class LaunchInfo:
 
 
 # (launcher, rank var, size var, local rank vars, local size vars), in precedence order.
-_LAUNCHER_VARS: tuple[tuple[Launcher, str, tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = (
+_LauncherVars = tuple[Launcher, str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+_LAUNCHER_VARS: tuple[_LauncherVars, ...] = (
     (Launcher.TORCHRUN, "RANK", ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
     (
         Launcher.OPEN_MPI,
@@ -156,14 +157,16 @@ def detect_launch(
         size = _first(env, size_vars)
         if size is None:
             raise ValueError(
-                f"{rank_var} is set but none of {', '.join(size_vars)} is; cannot tell the world size"
+                f"{rank_var} is set but none of {', '.join(size_vars)} is; "
+                "cannot tell the world size"
             )
-        lr = _first(env, local_vars) if local_rank is None else local_rank
-        lws = _first(env, local_size_vars) if local_world_size is None else local_world_size
-        if lr is None or lws is None:  # no local info: all ranks on one host; explicit wins
-            lr = found_rank if local_rank is None else local_rank
-            lws = size if local_world_size is None else local_world_size
-        return LaunchInfo(found_rank, size, lr, lws, launcher)
+        found_lr = _first(env, local_vars) if local_rank is None else local_rank
+        found_lws = _first(env, local_size_vars) if local_world_size is None else local_world_size
+        if found_lr is None or found_lws is None:
+            # no local info: all ranks on one host; explicit wins
+            found_lr = found_rank if local_rank is None else local_rank
+            found_lws = size if local_world_size is None else local_world_size
+        return LaunchInfo(found_rank, size, found_lr, found_lws, launcher)
 
     return LaunchInfo(
         0, 1, 0 if local_rank is None else local_rank,

@@ -1,11 +1,11 @@
 """Backend registry: names to factories, with lazy imports and availability checks.
 
-A backend is registered with a factory ``factory(launch, timeout, device) -> Communicator`` (``device``
-None means the backend's default: cpu for gloo and mpi, ``cuda:local_rank`` for nccl) and a check
-``check() -> Exception | None`` that says, without side effects, why the backend cannot run here
-(the exception :func:`create_communicator` will raise) or ``None`` when it can. The built-in
-backends' factories import their modules only when called, so a missing mpi4py or cupy never breaks
-``import gradcomm`` (ChainerMN's factory does the same).
+A backend is registered with a factory ``factory(launch, timeout, device) -> Communicator``
+(``device`` None means the backend's default: cpu for gloo and mpi, ``cuda:local_rank`` for nccl)
+and a check ``check() -> Exception | None`` that says, without side effects, why the backend cannot
+run here (the exception :func:`create_communicator` will raise) or ``None`` when it can. The
+built-in backends' factories import their modules only when called, so a missing mpi4py or cupy
+never breaks ``import gradcomm`` (ChainerMN's factory does the same).
 
 Raised by :func:`create_communicator`: ``ValueError`` for an unknown name (listing the known ones),
 ``ImportError`` naming the pip command when a package is missing, and
@@ -83,7 +83,9 @@ def _gloo_check() -> Exception | None:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
-        return BackendUnavailableError("this torch build has no gloo (torch.distributed.is_gloo_available() is False)")
+        return BackendUnavailableError(
+            "this torch build has no gloo (torch.distributed.is_gloo_available() is False)"
+        )
     return None
 
 
@@ -194,7 +196,9 @@ def _entry(name: str) -> tuple[str, _Entry]:
     key = normalize_backend_name(name)
     entry = _REGISTRY.get(key)
     if entry is None:
-        raise ValueError(f"unknown gradcomm backend {name!r}; known backends: {', '.join(known_backends())}")
+        raise ValueError(
+            f"unknown gradcomm backend {name!r}; known backends: {', '.join(known_backends())}"
+        )
     return key, entry
 
 

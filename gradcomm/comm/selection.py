@@ -35,7 +35,9 @@ class BackendChoice:
     reason: str
 
 
-def select_backend(backend: str | None = None, env: Mapping[str, str] | None = None) -> BackendChoice:
+def select_backend(
+    backend: str | None = None, env: Mapping[str, str] | None = None
+) -> BackendChoice:
     """Apply the selection rule without building anything.
 
     Raises:

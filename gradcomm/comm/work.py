@@ -1,10 +1,10 @@
 """Handles of asynchronous collectives.
 
-Every collective returns a :class:`Work`, even a synchronous one (then already completed), so callers
-never branch on sync versus async. Backends subclass :class:`Work` and implement ``_wait`` and
-``_test``; the base class adds the timeout, the error message naming the operation, and completion
-callbacks (copy-back of a non-contiguous tensor, the division of an emulated ``AVG``), which run
-exactly once, in the order they were added, on the thread that observes completion.
+Every collective returns a :class:`Work`, even a synchronous one (then already completed), so
+callers never branch on sync versus async. Backends subclass :class:`Work` and implement ``_wait``
+and ``_test``; the base class adds the timeout, the error message naming the operation, and
+completion callbacks (copy-back of a non-contiguous tensor, the division of an emulated ``AVG``),
+which run exactly once, in the order they were added, on the thread that observes completion.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Work(abc.ABC):
         self.description = description
         self.timeout = timeout
         self._done = False
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[Callable[[], object]] = []
 
     # Backends implement these two.
     @abc.abstractmethod
@@ -41,8 +41,10 @@ class Work(abc.ABC):
     def _test(self) -> bool:
         """Return True when the transport is done, without blocking."""
 
-    def add_callback(self, fn: Callable[[], None]) -> None:
+    def add_callback(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` once, after the transport completes and before :meth:`wait` returns.
+
+        Its return value is ignored (so ``lambda: tensor.div_(n)`` is fine).
 
         Raises:
             RuntimeError: the work has already completed.
