@@ -145,9 +145,9 @@ def check_async(comm: Communicator, handshake: Path) -> None:
 
 def check_bad_input(comm: Communicator) -> None:
     t = torch.ones(3)
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         comm.all_reduce([1.0, 2.0])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         comm.broadcast(3.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="dense"):
         comm.all_reduce(torch.eye(3).to_sparse())

@@ -15,15 +15,15 @@ from gradcomm.comm import (
     DEFAULT_TIMEOUT,
     BackendUnavailableError,
     Communicator,
-    LaunchInfo,
     Launcher,
+    LaunchInfo,
     available_backends,
     known_backends,
     register_backend,
+    registry,
     resolve_timeout,
     select_backend,
 )
-from gradcomm.comm import registry
 from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.comm.selection import init
 
@@ -47,8 +47,13 @@ def test_environment_beats_auto() -> None:
     assert (choice.name, choice.reason) == ("gloo", "GRADCOMM_BACKEND")
 
 
+def test_auto_rule_on_this_machine() -> None:
+    nccl = available_backends().get("nccl")
+    expected = "nccl" if nccl is not None and nccl.available else "gloo"
+    assert select_backend(None, {}).name == expected
+
+
 def test_auto_is_gloo_without_usable_nccl() -> None:
-    assert select_backend(None, {}).name == "gloo"
     register_backend("nccl", _unused_factory, check=lambda: BackendUnavailableError("no CUDA"),
                      replace=True)
     assert select_backend(None, {}).name == "gloo"
@@ -77,7 +82,7 @@ def test_unknown_environment_backend_lists_known_names() -> None:
 
 
 def test_unknown_argument_backend_raises_value_error() -> None:
-    with pytest.raises(ValueError, match="known backends: .*gloo"):
+    with pytest.raises(ValueError, match=r"known backends: .*gloo"):
         init("glooo", env={})
 
 

@@ -1,0 +1,133 @@
+"""The main job, examples/train_digits.py, under each launcher it must run under unchanged.
+
+Each launch must exit 0, reach >= 95 % held-out accuracy, and report identical parameters on every
+rank; the 2-rank runs must train like the 1-process run (same global batch, so the first epoch's
+loss agrees up to float rounding).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_utils import REPO_ROOT, free_port, run_mpi, run_processes
+
+SCRIPT = REPO_ROOT / "examples" / "train_digits.py"
+RUN_TIMEOUT = 150.0  # seconds per launch (a run takes about 5-20 s on 2 cores)
+_LAUNCH_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "GRADCOMM_BACKEND",
+)
+
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 30)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(cmd: list[str]) -> str:
+    """Run ``cmd`` in its own session; kill the whole session after RUN_TIMEOUT s."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {RUN_TIMEOUT} s:\n{out}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{out}"
+    return out
+
+
+def _check_output(out: str, world_size: int) -> tuple[float, list[float]]:
+    """Assert the job's promises; return (final accuracy, per-epoch losses)."""
+    # Under mpiexec, stdout and the progress bar's stderr share one pipe and may interleave
+    # within a line, so the patterns are not anchored at line starts.
+    final = re.findall(r"final held-out accuracy: ([0-9.]+)", out)
+    assert len(final) == 1, out  # printed by rank 0 only
+    assert float(final[0]) >= 0.95, out
+    assert f"parameters identical on all {world_size} ranks" in out, out
+    epochs = re.findall(r"epoch +(\d+)/10 +loss ([0-9.]+)", out)
+    assert [int(e) for e, _ in epochs] == list(range(1, 11)), out  # one line each, rank 0 only
+    losses = [float(loss) for _, loss in epochs]
+    assert losses[-1] < 0.5 * losses[0], f"loss did not fall: {losses}"
+    # Every rank logged, and its records carry its rank.
+    for rank in range(world_size):
+        assert f"[rank {rank}] train_digits INFO" in out, out
+    return float(final[0]), losses
+
+
+@pytest.fixture(scope="module")
+def single_process_losses() -> list[float]:
+    out = _run([sys.executable, str(SCRIPT)])
+    return _check_output(out, 1)[1]
+
+
+def test_single_process(single_process_losses: list[float]) -> None:
+    assert single_process_losses[0] > single_process_losses[-1]
+
+
+def _same_training(losses: list[float], reference: list[float]) -> None:
+    # The same global batches and averaged gradients: only float rounding may differ.
+    assert losses[0] == pytest.approx(reference[0], rel=1e-3), (losses, reference)
+
+
+def test_torchrun(single_process_losses: list[float]) -> None:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m",
+                                                          "torch.distributed.run"]
+    # A free port, so concurrent runs on one machine do not collide on the default 29500.
+    out = _run([*launcher, "--nproc_per_node", "2", "--master_port", str(free_port()),
+                str(SCRIPT)])
+    _same_training(_check_output(out, 2)[1], single_process_losses)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_mpiexec(backend: str, single_process_losses: list[float]) -> None:
+    # run_mpi skips, with the pip command, when mpi4py or mpiexec is missing.
+    result = run_mpi(SCRIPT, 2, env={"GRADCOMM_BACKEND": backend}, timeout=RUN_TIMEOUT)
+    out = result.stdout
+    assert f"backend {backend}, 2 rank(s)" in out, out
+    _same_training(_check_output(out, 2)[1], single_process_losses)
+
+
+# ----------------------------------------------------------------------------- digest check
+def _load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("train_digits", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _diverging_run(rank: int, world_size: int) -> int:
+    example = _load_example()
+    honest = example.parameter_digest
+
+    def digest(model: torch.nn.Module) -> torch.Tensor:
+        out: torch.Tensor = honest(model)
+        if rank == 1:
+            out[0] += 1  # as if rank 1's parameters had drifted
+        return out
+
+    example.parameter_digest = digest
+    return int(example.main(["--epochs", "1", "--log-level", "WARNING"]))
+
+
+def test_differing_parameters_exit_non_zero() -> None:
+    assert run_processes(_diverging_run, 2, timeout=RUN_TIMEOUT) == [1, 1]
