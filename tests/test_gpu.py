@@ -12,12 +12,16 @@ This file is also the script of its ``mpiexec`` runs: ``python tests/test_gpu.py
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import ctypes
 import importlib.machinery
 import os
 import sys
 import traceback
 import types
 import warnings
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -179,6 +183,166 @@ def test_event_work_reports_asynchronous_nccl_errors() -> None:
     work = CudaEventWork(FakeEvent(None), "broadcast #1", 5.0, check, lambda: None)
     with pytest.raises(RuntimeError, match="peer went away"):
         work.wait()
+
+
+# ============================================================================ CPU: fake CuPy
+class FakeNcclComm:
+    """Stands in for ``cupy.cuda.nccl.NcclCommunicator``: records calls, acts as one rank."""
+
+    def __init__(self, ndev: int, uid: bytes, rank: int) -> None:
+        self.log = FakeCupy.log
+        self.log.append(("init", ndev, uid, rank))
+
+    def allReduce(self, *args: int) -> None:
+        self.log.append(("allReduce", *args))
+
+    def broadcast(self, *args: int) -> None:
+        self.log.append(("broadcast", *args))
+
+    def allGather(self, send: int, recv: int, count: int, dtype: int, stream: int) -> None:
+        self.log.append(("allGather", send, recv, count, dtype, stream))
+        ctypes.memmove(recv, send, count)  # one rank: the output is the input
+
+    def check_async_error(self) -> None:
+        return None
+
+    def destroy(self) -> None:
+        self.log.append(("destroy",))
+
+    def abort(self) -> None:
+        self.log.append(("abort",))
+
+
+class FakeCupy:
+    """``cupy``, ``cupy.cuda`` and ``cupy.cuda.nccl`` modules, plus torch.cuda pieces, on CPU."""
+
+    log: ClassVar[list[tuple[Any, ...]]] = []
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, nccl_version: int, gpus: int = 1) -> None:
+        FakeCupy.log = []
+        self.ready = True
+        ids = iter(bytes([i]) * 128 for i in range(100))
+        nccl = types.ModuleType("cupy.cuda.nccl")
+        for name, value in dict(
+            available=True, get_version=lambda: nccl_version, get_unique_id=lambda: next(ids),
+            NcclCommunicator=FakeNcclComm, NCCL_INT8=0, NCCL_UINT8=1, NCCL_INT32=2,
+            NCCL_INT64=4, NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8,
+            NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3,
+        ).items():
+            setattr(nccl, name, value)
+        cuda = types.ModuleType("cupy.cuda")
+        cuda.nccl = nccl  # type: ignore[attr-defined]
+        cuda.Device = lambda index: contextlib.nullcontext()  # type: ignore[attr-defined]
+        cupy = types.ModuleType("cupy")
+        cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+        cupy.cuda = cuda  # type: ignore[attr-defined]
+        for name, mod in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+            monkeypatch.setitem(sys.modules, name, mod)
+        log, outer = FakeCupy.log, self
+
+        class Stream:
+            cuda_stream = 1234
+
+            def synchronize(self) -> None:
+                log.append(("synchronize",))
+
+        class Event:
+            def record(self, stream: Stream) -> None:
+                log.append(("record", stream.cuda_stream))
+
+            def query(self) -> bool:
+                return outer.ready
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: Stream())
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+
+
+def test_cupy_nccl_calls_nccl_with_pointers_counts_and_the_torch_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeCupy(monkeypatch, nccl_version=22105)
+    from gradcomm.comm.backends.cupy_nccl import CupyNCCLCommunicator
+
+    comm = CupyNCCLCommunicator(_launch(), timeout=5.0)
+    assert comm.device == torch.device("cuda", 0) and fake.log == [("init", 1, b"\0" * 128, 0)]
+    # CPU tensors stand in for CUDA ones: the private methods take pointers only.
+    t = torch.arange(6, dtype=torch.bfloat16)
+    work = comm._all_reduce(t, ReduceOp.AVG, "all_reduce #0")
+    work.wait()
+    assert isinstance(work, CudaEventWork) and work.is_completed()
+    assert fake.log[1:] == [("allReduce", t.data_ptr(), t.data_ptr(), 6, 9, 4, 1234),
+                            ("record", 1234)]  # bf16 = 9, ncclAvg = 4, event after the call
+    del fake.log[1:]
+    b = torch.zeros(5, dtype=torch.float64)
+    comm._broadcast(b, 0, "broadcast #1").wait()
+    assert fake.log[1] == ("broadcast", b.data_ptr(), b.data_ptr(), 40, 1, 0, 1234)  # bytes
+    inp, out = torch.arange(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    comm._all_gather(out, inp, "all_gather #2").wait()
+    assert out.tolist() == [0, 1, 2] and fake.log[3][3:5] == (12, 1)
+    assert not comm.supports(torch.bool).is_supported
+    assert not comm.supports(torch.float32, "cpu").is_supported
+    comm.close()
+    assert fake.log[-2:] == [("synchronize",), ("destroy",)]
+
+
+def test_cupy_nccl_old_nccl_has_no_bf16_and_emulates_avg(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCupy(monkeypatch, nccl_version=20903)
+    from gradcomm.comm.backends.cupy_nccl import CupyNCCLCommunicator
+
+    comm = CupyNCCLCommunicator(_launch(), timeout=5.0)
+    assert not comm.supports(torch.bfloat16).is_supported
+    t = torch.full((4,), 3.0)
+    comm._all_reduce(t, ReduceOp.AVG, "avg").wait()
+    assert fake.log[1][5] == 0 and t.tolist() == [3.0] * 4  # SUM, then divided by world_size 1
+
+
+def test_cupy_nccl_timeout_aborts_and_disables(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCupy(monkeypatch, nccl_version=22105)
+    from gradcomm.comm.backends.cupy_nccl import CupyNCCLCommunicator
+
+    comm = CupyNCCLCommunicator(_launch(), timeout=0.05)
+    fake.ready = False
+    with pytest.raises(CollectiveTimeoutError):
+        comm._all_reduce(torch.ones(2), ReduceOp.SUM, "stuck").wait()
+    assert fake.log[-1] == ("abort",)
+    with pytest.raises(RuntimeError, match="aborted after a timed-out collective"):
+        comm._all_reduce(torch.ones(2), ReduceOp.SUM, "after")
+    comm.close()  # no destroy after an abort
+    assert ("destroy",) not in fake.log
+
+
+def _cupy_nccl_store_rank(rank: int) -> gradcomm.Communicator:
+    from gradcomm.comm.backends.cupy_nccl import CupyNCCLCommunicator
+
+    return CupyNCCLCommunicator(_launch(rank, 2), timeout=30.0)  # kept alive, like a real rank
+
+
+def test_cupy_nccl_unique_id_travels_over_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradcomm.comm.backends import cupy_nccl
+
+    from dist_utils import free_port
+
+    fake = FakeCupy(monkeypatch, nccl_version=22105, gpus=2)
+    port = free_port()
+
+    def store(launch: LaunchInfo, timeout: float | None, backend: str) -> dist.Store:
+        # Both "ranks" are threads of one process: one fixed prefix instead of create_store's
+        # per-process counter (which matches across real processes, not across threads).
+        tcp = dist.TCPStore("127.0.0.1", port, 2, launch.rank == 0)
+        return dist.PrefixStore(backend, tcp)
+
+    monkeypatch.setattr(cupy_nccl, "create_store", store)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        comms = [f.result(timeout=60) for f in [pool.submit(_cupy_nccl_store_rank, r)
+                                                 for r in range(2)]]
+    for comm in comms:
+        comm.close()
+    inits = sorted(e for e in fake.log if e[0] == "init")
+    assert inits == [("init", 2, b"\0" * 128, 0), ("init", 2, b"\0" * 128, 1)]  # rank 0's id
 
 
 # ============================================================================ GPU: shared checks

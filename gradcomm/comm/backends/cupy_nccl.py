@@ -192,6 +192,7 @@ class CupyNCCLCommunicator(Communicator):
             timeout=timeout,
         )
         self.launch = launch
+        self._store: Any = None
         torch.cuda.set_device(dev)
         self._nccl_mod = nccl
         self.nccl_version = int(nccl.get_version())
@@ -207,7 +208,6 @@ class CupyNCCLCommunicator(Communicator):
         uid = self._exchange_unique_id(launch, timeout)
         with cupy.cuda.Device(dev.index):
             self._comm: Any = nccl.NcclCommunicator(launch.world_size, uid, launch.rank)
-        self._token = torch.zeros(1, device=dev)
         log.debug("cupy-nccl rank %d/%d on %s, NCCL %d", self.rank, self.world_size, dev,
                   self.nccl_version)
 
@@ -250,7 +250,8 @@ class CupyNCCLCommunicator(Communicator):
             return uid
         if launch.world_size == 1:
             return nccl.get_unique_id()
-        store = create_store(launch, timeout, self.backend)
+        # Kept until close: when rank 0's store (the server) is freed, the others cannot read.
+        store = self._store = create_store(launch, timeout, self.backend)
         if launch.rank == 0:
             uid_bytes = pickle.dumps(nccl.get_unique_id())
             store.set("nccl_unique_id", uid_bytes)  # type: ignore[arg-type]  # bytes work
@@ -306,9 +307,11 @@ class CupyNCCLCommunicator(Communicator):
         return self._record(stream, description)
 
     def _barrier(self, description: str) -> Work:
-        return self._all_reduce(self._token, ReduceOp.SUM, description)
+        # An all-reduce of one element; the caching allocator keeps it alive on this stream.
+        return self._all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, description)
 
     def _close(self) -> None:
+        self._store = None
         comm, self._comm = self._comm, None
         if comm is not None:
             torch.cuda.current_stream(self.device).synchronize()
