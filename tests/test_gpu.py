@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import datetime
 import importlib.machinery
 import os
 import sys
@@ -36,7 +37,7 @@ from gradcomm import (
 )
 from gradcomm.comm import Launcher, LaunchInfo, available_backends, select_backend
 from gradcomm.comm.backends.cupy_nccl import CudaEventWork
-from gradcomm.comm.backends.nccl import nccl_support, resolve_cuda_device
+from gradcomm.comm.backends.nccl import check_same_device, nccl_support, resolve_cuda_device
 
 HAS_CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -183,6 +184,53 @@ def test_event_work_reports_asynchronous_nccl_errors() -> None:
     work = CudaEventWork(FakeEvent(None), "broadcast #1", 5.0, check, lambda: None)
     with pytest.raises(RuntimeError, match="peer went away"):
         work.wait()
+
+
+# ============================================================================ CPU: fake NCCL
+def test_nccl_communicator_set_up_with_a_fake_process_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Device choice, set_device before the group, and the ProcessGroupNCCL constructor's use."""
+    from gradcomm.comm.backends.nccl import NCCLCommunicator
+
+    made: list[Any] = []
+
+    class FakePG:
+        class Options:
+            def __init__(self, is_high_priority_stream: bool = False) -> None:
+                self.is_high_priority_stream = is_high_priority_stream
+                self._timeout: Any = None
+
+        def __init__(self, store: Any, rank: int, size: int, opts: Options) -> None:
+            made.append((type(store).__name__, rank, size, opts._timeout,
+                         opts.is_high_priority_stream))
+
+        def shutdown(self) -> None:
+            made.append("shutdown")
+
+    devices: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakePG, raising=False)
+    comm = NCCLCommunicator(LaunchInfo(0, 1, 2, 4, Launcher.EXPLICIT), timeout=12.0)
+    assert comm.device == torch.device("cuda", 2) and devices == [torch.device("cuda", 2)]
+    assert comm.process_group is None  # world_size 1: no group, no collective
+    assert ReduceOp.AVG in comm.native_reduce_ops
+    for dtype in (torch.float16, torch.bfloat16):
+        assert comm.supports(dtype).level.value == "native"
+    group = comm._make_group(dist.HashStore(), _launch(), 12.0)
+    assert isinstance(group, FakePG)
+    assert made == [("HashStore", 0, 1, datetime.timedelta(seconds=12), False)]
+    comm._group = group
+    with pytest.raises(ValueError, match="on meta, but this nccl communicator works on cuda:2"):
+        comm._check_tensor(torch.empty(2, device="meta"), "x")
+    other_gpu = types.SimpleNamespace(device=torch.device("cuda", 3))  # no CUDA tensors here
+    with pytest.raises(ValueError, match="cuda:3, but this communicator's GPU is cuda:2"):
+        check_same_device(other_gpu, comm.device, "x")  # type: ignore[arg-type]
+    comm.close()
+    assert made[-1] == "shutdown"
 
 
 # ============================================================================ CPU: fake CuPy
@@ -418,7 +466,7 @@ def test_nccl_world_size_1_and_its_process_group() -> None:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             t = torch.arange(8, dtype=dtype, device="cuda:0")
             opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.AVG
+            opts.reduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]
             group.allreduce([t], opts).wait()
             assert torch.equal(t, torch.arange(8, dtype=dtype, device="cuda:0"))
         group.shutdown()
