@@ -146,10 +146,8 @@ def cuda_aware_mpi(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
         return True, "MVAPICH2-GDR with MV2_USE_CUDA=1"
     if "CRAY MPICH" in version.upper() and env.get("MPICH_GPU_SUPPORT_ENABLED", "") == "1":
         return True, "Cray MPICH with MPICH_GPU_SUPPORT_ENABLED=1"
-    first = version.strip().splitlines()[0] if version.strip() else "unknown MPI"
-    return False, (
-        f"could not confirm that {first.strip()} is CUDA-aware; set {CUDA_AWARE_ENV}=1 if it is"
-    )
+    first = " ".join(version.strip().splitlines()[0].split()) if version.strip() else "this MPI"
+    return False, f"could not confirm that {first} is CUDA-aware; set {CUDA_AWARE_ENV}=1 if it is"
 
 
 # ----------------------------------------------------------------------------- buffers
