@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup", type=int, default=5, help="untimed calls first (default 5)")
     p.add_argument("-r", "--repeats", type=int, default=3,
                    help="interleaved rounds of gradcomm and raw; median reported (default 3)")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="statistic over the rounds (default median; min filters out rounds "
+                        "slowed by other processes)")
     p.add_argument("--backend", action="append", default=None,
                    help="gradcomm backend; repeat for several (default: gradcomm's rule, "
                         "GRADCOMM_BACKEND, else nccl with CUDA, else gloo)")
@@ -110,7 +113,8 @@ def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str,
         "iters": args.iters,
         "warmup": args.warmup,
         "repeats": args.repeats,
-        "time": "median over repeats of the max over ranks of the mean per call",
+        "stat": args.stat,
+        "time": f"{args.stat} over repeats of the max over ranks of the mean per call",
         "busbw": "algbw * 2(n-1)/n (nccl-tests doc/PERFORMANCE.md)",
     }
 
@@ -162,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{dtype_name(dtype)} {args.op}, sizes {sizes[0]}..{sizes[-1]} B, iters {args.iters}, "
         f"warmup {args.warmup}, repeats {args.repeats}, OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    say("# time: median over repeats of the max over ranks of the mean per call; "
+    say(f"# time: {args.stat} over repeats of the max over ranks of the mean per call; "
         "busbw = algbw * 2(n-1)/n (nccl-tests)")
     for name in backends:
         comm = gc.init(name, timeout=args.timeout)
@@ -184,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 say(lines[-1])
 
             rows = run_sweep(comm, sizes, dtype, op, iters=args.iters, warmup=args.warmup,
-                             repeats=args.repeats, raw=raw, progress=show)
+                             repeats=args.repeats, raw=raw, progress=show,
+                             stat=args.stat)
             result.rows += rows
             wrong = sum(r.wrong for r in rows)
             verdict = "OK" if wrong == 0 else "FAILED"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ def plot_busbw(
         ValueError: no rows to plot.
     """
     figure_cls = require_matplotlib()
-    from matplotlib.ticker import FuncFormatter, LogLocator
+    from matplotlib.ticker import FuncFormatter
 
     rows = [row for res in results for row in res.rows]
     if not rows:
@@ -88,7 +89,11 @@ def plot_busbw(
                     markersize=3, alpha=0.7, label=raw_label)
             labels.append(raw_label)
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(LogLocator(base=2, numticks=32))
+    lo = int(math.log2(min(r.size for r in rows)))
+    hi = math.ceil(math.log2(max(r.size for r in rows)))
+    step = max(1, math.ceil((hi - lo + 1) / 12))  # at most about 12 labelled sizes
+    ax.set_xticks([2.0**k for k in range(lo, hi + 1, step)])
+    ax.set_xlim(2.0 ** (lo - 0.3), 2.0 ** (hi + 0.3))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_size(int(x))))
     for tick in ax.get_xticklabels():
         tick.set_rotation(45)

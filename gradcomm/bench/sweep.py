@@ -187,6 +187,9 @@ def make_raw_transport(comm: Communicator, timeout: float = 300.0) -> RawTranspo
     return None
 
 
+_STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
+
+
 def _timed(fn: Callable[[], object], iters: int, barrier: Callable[[], object]) -> float:
     barrier()
     start = time.perf_counter()
@@ -232,6 +235,7 @@ def run_sweep(
     repeats: int = 3,
     raw: RawTransport | None = None,
     progress: Callable[[SweepRow], Any] | None = None,
+    stat: str = "median",
 ) -> list[SweepRow]:
     """Time ``comm.all_reduce`` (and ``raw``'s) for every size; call on every rank.
 
@@ -242,17 +246,19 @@ def run_sweep(
         op: reduction op.
         iters: timed calls per round (nccl-tests' ``-n``).
         warmup: untimed calls before the first round (nccl-tests' ``-w``).
-        repeats: interleaved rounds of (gradcomm, raw); the time is the median over rounds of
-            the max over ranks of the per-call mean.
+        repeats: interleaved rounds of (gradcomm, raw); the time is the median (or, with
+            ``stat="min"``, the minimum) over rounds of the max over ranks of the per-call mean.
         raw: the transport to compare with, or None to skip the raw column.
         progress: called on every rank with each finished row.
+        stat: ``"median"`` or ``"min"`` over rounds; the minimum filters out rounds slowed by
+            other processes on a shared machine (as ``timeit`` advises).
 
     Returns:
         One :class:`SweepRow` per size, identical on every rank.
 
     Raises:
-        ValueError: ``iters``, ``repeats`` < 1, ``warmup`` < 0, or a size that is not a positive
-            multiple of the element size.
+        ValueError: ``iters``, ``repeats`` < 1, ``warmup`` < 0, a size that is not a positive
+            multiple of the element size, or an unknown ``stat``.
         TypeError, ValueError, RuntimeError: as :meth:`Communicator.all_reduce`.
     """
     op = ReduceOp.coerce(op)
@@ -260,6 +266,9 @@ def run_sweep(
         raise ValueError(
             f"need iters >= 1, repeats >= 1, warmup >= 0; got {iters}, {repeats}, {warmup}"
         )
+    if stat not in _STATS:
+        raise ValueError(f"stat must be one of {', '.join(_STATS)}, got {stat!r}")
+    pick = _STATS[stat]
     elem = torch.empty((), dtype=dtype).element_size()
     for size in sizes:
         if size < elem or size % elem:
@@ -286,8 +295,8 @@ def run_sweep(
             local += [got["ours"], got.get("raw", 0.0)]
         times = torch.tensor(local, dtype=torch.float64)
         comm.all_reduce(times, ReduceOp.MAX)
-        t_ours = statistics.median(times[0::2].tolist())
-        t_raw = statistics.median(times[1::2].tolist()) if use_raw else None
+        t_ours = pick(times[0::2].tolist())
+        t_raw = pick(times[1::2].tolist()) if use_raw else None
 
         buf.fill_(comm.rank % 2 + 1)
         comm.all_reduce(buf, op)
