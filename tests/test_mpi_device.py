@@ -199,7 +199,7 @@ def test_staging_read_and_write_hints(fresh_warning: None) -> None:
 
 def test_prepare_rejects_bad_input() -> None:
     adapter = DeviceBufferAdapter(True, synchronize=lambda: None, to_array=FakeDeviceArray)
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         adapter.prepare(np.zeros(3))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="contiguous"):
         adapter.prepare(torch.zeros(4, 4).t())
