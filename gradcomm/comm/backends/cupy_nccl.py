@@ -46,7 +46,7 @@ from ..launcher import LaunchInfo
 from ..rendezvous import create_store
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import Work
-from .nccl import check_same_device, nccl_support, resolve_cuda_device
+from .nccl import NCCL_REDUCE_OPS, check_same_device, nccl_support, resolve_cuda_device
 
 __all__ = ["CudaEventWork", "CupyNCCLCommunicator", "as_tensor", "cupy_nccl_unavailable"]
 
@@ -166,9 +166,7 @@ class CupyNCCLCommunicator(Communicator):
     """
 
     backend = "cupy-nccl"
-    native_reduce_ops = frozenset(
-        {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
-    )
+    native_reduce_ops = NCCL_REDUCE_OPS  # AVG on NCCL < 2.10: SUM, then a division
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ from .torch_dist import TorchDistCommunicator
 
 __all__ = [
     "NCCL_DTYPES",
+    "NCCL_REDUCE_OPS",
     "NCCLCommunicator",
     "check_same_device",
     "nccl_support",
@@ -59,6 +60,10 @@ NCCL_DTYPES = frozenset(
         torch.int64,
     }
 )
+
+
+#: Every ReduceOp is native in NCCL (AVG is ``ncclAvg``, NCCL >= 2.10).
+NCCL_REDUCE_OPS = frozenset(ReduceOp)
 
 
 def nccl_unavailable() -> BackendUnavailableError | None:
@@ -146,9 +151,7 @@ class NCCLCommunicator(TorchDistCommunicator):
     """
 
     backend = "nccl"
-    native_reduce_ops = frozenset(
-        {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
-    )
+    native_reduce_ops = NCCL_REDUCE_OPS
 
     def __init__(
         self,
