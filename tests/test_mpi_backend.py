@@ -1,0 +1,143 @@
+"""The MPI backend under real ``mpiexec`` (scripts in ``tests/mpi_scripts/``), plus its edges.
+
+Each script checks values itself and prints ``RESULT ...`` lines that these tests parse; every run
+is bounded by ``run_mpi``'s timeout, which kills the whole job.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import REPO_ROOT, TESTS_DIR, require_mpi, run_mpi
+
+SCRIPTS = TESTS_DIR / "mpi_scripts"
+
+
+def _results(output: str, prefix: str) -> list[str]:
+    """The ``RESULT <prefix>...`` records in ``output`` (ranks' lines may be interleaved)."""
+    found = re.findall(rf"RESULT {prefix}.*?(?=RESULT |\n|$)", output)
+    return [line.rstrip() for line in found]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_every_op_and_dtype(n: int) -> None:
+    out = run_mpi(SCRIPTS / "mpi_backend_collectives.py", n, timeout=60).stdout
+    lines = _results(out, "ok")
+    assert sorted(lines) == sorted(
+        f"RESULT ok rank={r} world={n} checks=62" for r in range(n)
+    ), out
+
+
+def test_device_buffer_path_with_fake_adapters() -> None:
+    out = run_mpi(SCRIPTS / "mpi_backend_staging.py", 2, timeout=60).stdout
+    for mode in ("zero-copy", "staged", "real-adapter"):
+        assert len(_results(out, f"staging {mode} ok")) == 2, out
+
+
+def _plain_python(
+    script: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c script`` with no launcher variables (a single process)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID", "GRADCOMM_BACKEND"):
+        full_env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=full_env, timeout=60
+    )
+
+
+def test_world_size_one_plain_python_issues_no_collective() -> None:
+    require_mpi()
+    proc = _plain_python(
+        f"import runpy; runpy.run_path({str(SCRIPTS / 'mpi_backend_single.py')!r}, "
+        "run_name='__main__')"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _results(proc.stdout, "single") == ["RESULT single calls=0 launcher=single"], proc.stdout
+
+
+def test_world_size_one_mpiexec_issues_no_collective() -> None:
+    import torch
+
+    out = run_mpi(SCRIPTS / "mpi_backend_single.py", 1, timeout=60).stdout
+    (line,) = _results(out, "single")
+    assert line.startswith("RESULT single calls=0 launcher="), out
+    assert not line.endswith("launcher=single"), f"mpiexec -n 1 was not detected: {line}"
+    # The same script checks that device="cuda" without CUDA raises BackendUnavailableError.
+    if not torch.cuda.is_available():
+        (cuda,) = _results(out, "cuda-unavailable")
+        assert "torch.cuda.is_available() is False" in cuda, cuda
+
+
+def test_timeout_raises_and_job_ends_non_zero() -> None:
+    # Rank 1 sleeps 600 s after skipping the collective; only the abort hook ends it in time.
+    proc = run_mpi(SCRIPTS / "mpi_backend_timeout.py", 2, ["2"], timeout=40, check=False)
+    out = proc.stdout
+    assert proc.returncode != 0, out
+    (line,) = _results(out, "timeout")
+    assert "all_reduce #1 SUM bucket 0 of 8 torch.float32" in line, line
+    elapsed = float(re.search(r"elapsed=([0-9.]+)", line).group(1))  # type: ignore[union-attr]
+    assert elapsed >= 2.0, f"timed out before the 2 s limit: {line}"
+    assert "CollectiveTimeoutError" in out, out
+    (broken,) = _results(out, "broken")
+    assert "unusable" in broken and "timed out" in broken, broken
+
+
+def test_uncaught_error_aborts_the_job() -> None:
+    # Rank 0 would wait 300 s in its barrier; the abort hook ends the job when rank 1 raises.
+    proc = run_mpi(SCRIPTS / "mpi_backend_abort.py", 2, ["300"], timeout=40, check=False)
+    out = proc.stdout
+    assert proc.returncode != 0, out
+    assert "deliberate failure on rank 1" in out, out
+    assert "MPI_Abort" in out, out
+    assert not _results(out, "barrier-timeout"), out
+
+
+def test_abort_hook_opt_out() -> None:
+    # Without the hook, rank 0 is left in its barrier until the (short) timeout.
+    proc = run_mpi(
+        SCRIPTS / "mpi_backend_abort.py", 2, ["3"], timeout=40, check=False,
+        env={"GRADCOMM_MPI_ABORT_ON_ERROR": "0"},
+    )
+    out = proc.stdout
+    assert proc.returncode != 0, out
+    assert "deliberate failure on rank 1" in out, out
+    assert _results(out, "barrier-timeout"), out
+    assert "MPI_Abort" not in out.split("RESULT barrier-timeout")[0], out
+
+
+def test_gloo_rendezvous_through_mpi() -> None:
+    out = run_mpi(
+        SCRIPTS / "mpi_backend_gloo_rendezvous.py", 2, timeout=60,
+        env={"GRADCOMM_BACKEND": "gloo"},
+    ).stdout
+    assert sorted(_results(out, "gloo")) == [
+        "RESULT gloo rank=0 world=2 sum=36.0", "RESULT gloo rank=1 world=2 sum=36.0"
+    ], out
+
+
+def test_missing_mpi4py_names_pip_install() -> None:
+    # Both through gradcomm.init (the registry's check) and importing the backend module directly.
+    proc = _plain_python(
+        "import sys\n"
+        "sys.modules['mpi4py'] = None\n"
+        "import gradcomm\n"
+        "try:\n"
+        "    gradcomm.init('mpi')\n"
+        "except ImportError as exc:\n"
+        "    print('INIT', exc)\n"
+        "try:\n"
+        "    import gradcomm.comm.backends.mpi\n"
+        "except ImportError as exc:\n"
+        "    print('MODULE', exc)\n"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["INIT", "MODULE"], proc.stdout
+    assert all("pip install mpi4py" in line for line in lines), proc.stdout
