@@ -12,11 +12,12 @@ forward, loss, backward with the gradient reduction, SGD step) for each variant:
   mpi4py's ``Allreduce`` in place), divides by the world size and copies back.
 * ``local``: every rank computes its own step with no communication (the compute floor).
 
-Variants are interleaved fairly: ``--rounds`` rounds, each running every variant for
-``--steps`` timed steps (after one untimed step), in an order rotated every round, so slow
-periods of a shared machine hit every variant alike. A step's time is the max over ranks; the
-table gives the median and the inter-quartile range (IQR) over all timed steps, with ratios to
-DDP and to the old algorithm on the same backend, and checks the targets of issue 3.
+Variants are interleaved step by step: after ``--warmup`` untimed steps each, round ``i`` of
+``--steps`` runs one timed step of every variant, in an order rotated every round, so a slow
+period of a shared machine hits every variant alike. A step's time is the max over ranks. The
+table gives each variant's median and inter-quartile range (IQR) over its steps, and its ratio to
+DDP and to the old algorithm on the same backend as the median over rounds of the per-round
+ratio (paired, so load that drifts between rounds cancels); it then checks issue 3's targets.
 
 Run (2 ranks on 2 cores; OMP_NUM_THREADS=1 per rank is set here if unset)::
 
@@ -319,11 +320,10 @@ def bench_model(
         mpi_comm.Barrier()
         run(name, args.warmup, None)
     local: dict[str, list[float]] = {name: [] for name in variant_names}
-    for order in rotations(list(variant_names), args.rounds):
+    for order in rotations(list(variant_names), args.steps):
         for name in order:
             mpi_comm.Barrier()
-            run(name, 1, None)  # the first step after a switch re-warms the caches: untimed
-            run(name, args.steps, local[name])
+            run(name, 1, local[name])
     gathered = mpi_comm.gather(local, root=0)
 
     # Every variant did the same steps on the same data: the distributed ones must agree.
@@ -342,30 +342,43 @@ def bench_model(
     if rank != 0:
         return {}
     out: dict[str, Any] = {"model": model_name, "params": nparams, "variants": {}}
+    job = {name: [max(g[name][i] for g in gathered) for i in range(len(gathered[0][name]))]
+           for name in variant_names}
     for name in variant_names:
-        per_step = [max(g[name][i] for g in gathered) for i in range(len(gathered[0][name]))]
+        per_step = job[name]
         q1, med, q3 = quartiles(per_step)
+        backend = name.split("+", 1)[1] if "+" in name else ""
+        refs = {"ddp": "ddp", "old": f"old+{backend}" if name.startswith("gradcomm+") else ""}
+        paired = {key: (statistics.median(a / b for a, b in zip(per_step, job[ref], strict=True))
+                        if ref in job else None) for key, ref in refs.items()}
         out["variants"][name] = {
             "median_ms": med * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
             "iqr_ms": (q3 - q1) * 1e3, "steps": len(per_step),
             "step_ms": [t * 1e3 for t in per_step],
             "param_spread_across_ranks": spread[name],
             "max_abs_param_diff_vs_ddp": vs_ddp[name],
+            "x_ddp": paired["ddp"], "x_old": paired["old"],
         }
     return out
 
 
 # ----------------------------------------------------------------------------- report
 def ratio(result: dict[str, Any], a: str, b: str) -> float | None:
+    """Median over rounds of ``time(a) / time(b)`` in the same round (None if one is missing)."""
     v = result["variants"]
     if a not in v or b not in v:
         return None
+    if b == "ddp":
+        return v[a]["x_ddp"]  # type: ignore[no-any-return]
+    if b.startswith("old+") and v[a]["x_old"] is not None:
+        return v[a]["x_old"]  # type: ignore[no-any-return]
     return float(v[a]["median_ms"] / v[b]["median_ms"])
 
 
 def table(result: dict[str, Any]) -> list[str]:
     lines = [
         f"model {result['model']} ({result['params'] / 1e6:.2f}M params)",
+        "  (x ddp, x old: median over rounds of the paired per-round ratio)",
         f"  {'variant':<15} {'median ms':>10} {'IQR ms':>8} {'x ddp':>7} {'x old':>7}"
         f" {'rank spread':>12} {'vs ddp':>9}",
     ]
@@ -408,8 +421,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="comma-separated: mlp,conv,transformer")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
+    p.add_argument("--steps", type=int, default=60,
+                   help="timed steps per variant, interleaved (default 60, at least 50)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradcomm bucket cap (MiB)")
@@ -418,8 +431,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON file (default benchmarks/results/step_time_<n>ranks.json)")
     args = p.parse_args(argv)
-    if args.rounds * args.steps < 50:
-        p.error("need --rounds * --steps >= 50 timed steps")
+    if args.steps < 50:
+        p.error("need --steps >= 50 timed steps")
     return args
 
 
@@ -460,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     timespec="seconds"),
                 "world_size": size, "host": platform.node(), "cpu_count": os.cpu_count(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                "torch": torch.__version__, "rounds": args.rounds, "steps": args.steps,
+                "torch": torch.__version__, "steps": args.steps,
                 "warmup": args.warmup, "gradcomm_options": options,
                 "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                 "step": "max over ranks of zero_grad+forward+loss+backward(+reduce)+SGD step",

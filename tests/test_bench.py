@@ -219,3 +219,46 @@ def test_tiny_mpi_sweep_under_mpiexec(tmp_path: Path) -> None:
                    timeout=90, env={"PYTHONPATH": str(REPO_ROOT)})
     assert "busbw" in proc.stdout
     _check_rows(out, "mpi", 2)
+
+
+# ----------------------------------------------------------------------------- step_time helpers
+def _step_time_module() -> object:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import step_time
+    finally:
+        sys.path.pop(0)
+    return step_time
+
+
+def test_rotations_put_every_variant_first_in_turn() -> None:
+    st = _step_time_module()
+    orders = list(st.rotations(["a", "b", "c"], 4))  # type: ignore[attr-defined]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_old_algorithm_averages_once_after_backward() -> None:
+    # A fake 2-rank sum (the other rank holds the same gradient): the average equals the local
+    # gradient, and the flush runs exactly once per backward, after every gradient exists.
+    st = _step_time_module()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    reference.load_state_dict(model.state_dict())
+    calls: list[int] = []
+
+    def fake_sum(flat: torch.Tensor) -> None:
+        calls.append(flat.numel())
+        flat.mul_(2)
+
+    st.OldAlgorithm(model, fake_sum, world_size=2)  # type: ignore[attr-defined]
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        model.zero_grad()
+        reference.zero_grad()
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    assert calls == [sum(p.numel() for p in model.parameters())] * 2
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
