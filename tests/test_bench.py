@@ -22,6 +22,7 @@ from gradcomm.bench import (
     parse_dtype,
     parse_size,
     read_json,
+    run_sweep,
     size_sweep,
     write_csv,
     write_json,
@@ -201,7 +202,35 @@ def _check_rows(path: Path, backend: str, world_size: int) -> None:
 
 def _sweep_rank(rank: int, world_size: int, out: str) -> int:
     return main(["-b", "8", "-e", "1K", "-n", "2", "-w", "1", "-r", "2", "--backend", "gloo",
-                 "--json", out, "--timeout", "60"])
+                 "--json", out, "--timeout", "60", "--stat", "call-median"])
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "product"])
+def test_sweep_on_thread_ranks_checks_values(op: str) -> None:
+    from gradcomm.comm.backends.threads import ThreadGroup
+
+    def body(comm: object) -> list[SweepRow]:
+        return run_sweep(comm, [4, 64], torch.float32, op, iters=2, warmup=1,  # type: ignore[arg-type]
+                         repeats=2, stat="min")
+
+    for rows in ThreadGroup(3, timeout=30).run(body):
+        assert isinstance(rows, list)
+        got = [(r.size, r.count, r.wrong, r.world_size) for r in rows]
+        assert got == [(4, 1, 0, 3), (64, 16, 0, 3)]
+        assert all(r.raw_time_us is None and r.time_us > 0 for r in rows)
+
+
+def test_sweep_rejects_bad_arguments_before_any_collective() -> None:
+    from gradcomm.comm.backends.threads import ThreadGroup
+
+    comm = ThreadGroup(2).communicator(0)  # rank 1 never runs: a collective would time out
+    with pytest.raises(ValueError, match="stat"):
+        run_sweep(comm, [4], torch.float32, stat="mean")
+    with pytest.raises(ValueError, match="multiple"):
+        run_sweep(comm, [6], torch.float32)
+    with pytest.raises(ValueError, match="iters"):
+        run_sweep(comm, [4], torch.float32, iters=0)
+    comm.close()
 
 
 def test_tiny_gloo_sweep_two_ranks(tmp_path: Path) -> None:

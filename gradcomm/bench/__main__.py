@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup", type=int, default=5, help="untimed calls first (default 5)")
     p.add_argument("-r", "--repeats", type=int, default=3,
                    help="interleaved rounds of gradcomm and raw; median reported (default 3)")
-    p.add_argument("--stat", choices=("median", "min"), default="median",
-                   help="statistic over the rounds (default median; min filters out rounds "
-                        "slowed by other processes)")
+    p.add_argument("--stat", choices=("median", "min", "call-median"), default="median",
+                   help="time reported: median (default) or min over rounds of the mean per "
+                        "call (nccl-tests' time), or call-median: median of single calls; "
+                        "min and call-median filter out calls slowed by other processes")
     p.add_argument("--backend", action="append", default=None,
                    help="gradcomm backend; repeat for several (default: gradcomm's rule, "
                         "GRADCOMM_BACKEND, else nccl with CUDA, else gloo)")
@@ -114,7 +115,7 @@ def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "stat": args.stat,
-        "time": f"{args.stat} over repeats of the max over ranks of the mean per call",
+        "time": f"max over ranks of each rank's {args.stat} (see --stat)",
         "busbw": "algbw * 2(n-1)/n (nccl-tests doc/PERFORMANCE.md)",
     }
 
@@ -166,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{dtype_name(dtype)} {args.op}, sizes {sizes[0]}..{sizes[-1]} B, iters {args.iters}, "
         f"warmup {args.warmup}, repeats {args.repeats}, OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    say(f"# time: {args.stat} over repeats of the max over ranks of the mean per call; "
+    say(f"# time: max over ranks of the {args.stat} per call over {args.repeats} rounds; "
         "busbw = algbw * 2(n-1)/n (nccl-tests)")
     for name in backends:
         comm = gc.init(name, timeout=args.timeout)

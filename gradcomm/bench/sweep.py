@@ -5,7 +5,7 @@ each rank, the mean per call, then the maximum over ranks (nccl-tests reduces it
 with ``-a``; the maximum is the conservative choice, the slowest rank bounds a step). Because
 these machines are shared and noisy, the gradcomm and raw measurements are interleaved:
 ``repeats`` rounds alternate the two (swapping which goes first), and the reported time is the
-median over rounds.
+median over rounds (``stat="min"``: the minimum; ``stat="call-median"``: the median single call).
 
 The buffers hold values every op leaves unchanged (zeros; ones for ``prod``), so repeated in-place
 reductions never overflow or produce denormals that would slow the arithmetic. After timing, one
@@ -187,15 +187,22 @@ def make_raw_transport(comm: Communicator, timeout: float = 300.0) -> RawTranspo
     return None
 
 
-_STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
+#: What run_sweep can report (see its ``stat`` argument).
+_STATS = ("median", "min", "call-median")
 
 
-def _timed(fn: Callable[[], object], iters: int, barrier: Callable[[], object]) -> float:
+def _timed(fn: Callable[[], object], iters: int, barrier: Callable[[], object]) -> list[float]:
+    """Per-call times of ``iters`` back-to-back calls after a barrier (their sum is the loop's)."""
+    clock = time.perf_counter
     barrier()
-    start = time.perf_counter()
+    out = []
+    last = clock()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - start) / iters
+        now = clock()
+        out.append(now - last)
+        last = now
+    return out
 
 
 def _expected(op: ReduceOp, world_size: int) -> float:
@@ -246,12 +253,13 @@ def run_sweep(
         op: reduction op.
         iters: timed calls per round (nccl-tests' ``-n``).
         warmup: untimed calls before the first round (nccl-tests' ``-w``).
-        repeats: interleaved rounds of (gradcomm, raw); the time is the median (or, with
-            ``stat="min"``, the minimum) over rounds of the max over ranks of the per-call mean.
+        repeats: interleaved rounds of (gradcomm, raw); the time is the max over ranks of
+            ``stat`` of each rank's times.
         raw: the transport to compare with, or None to skip the raw column.
         progress: called on every rank with each finished row.
-        stat: ``"median"`` or ``"min"`` over rounds; the minimum filters out rounds slowed by
-            other processes on a shared machine (as ``timeit`` advises).
+        stat: ``"median"`` (default) or ``"min"`` over rounds of the mean per call, or
+            ``"call-median"``: the median of every single call's time, which, like the minimum,
+            filters out calls slowed by other processes on a shared machine.
 
     Returns:
         One :class:`SweepRow` per size, identical on every rank.
@@ -268,7 +276,6 @@ def run_sweep(
         )
     if stat not in _STATS:
         raise ValueError(f"stat must be one of {', '.join(_STATS)}, got {stat!r}")
-    pick = _STATS[stat]
     elem = torch.empty((), dtype=dtype).element_size()
     for size in sizes:
         if size < elem or size % elem:
@@ -288,15 +295,28 @@ def run_sweep(
         for _ in range(warmup):
             for _, fn in variants:
                 fn()
-        local: list[float] = []
+        calls: dict[str, list[list[float]]] = {name: [] for name, _ in variants}
         for rep in range(repeats):
             order = variants if rep % 2 == 0 else variants[::-1]
-            got = {name: _timed(fn, iters, comm.barrier) for name, fn in order}
-            local += [got["ours"], got.get("raw", 0.0)]
+            for name, fn in order:
+                calls[name].append(_timed(fn, iters, comm.barrier))
+        # Per rank: the mean per call of each round, and the median call; then max over ranks.
+        local = []
+        for name in ("ours", "raw"):
+            rounds = calls.get(name, [[0.0]] * repeats)
+            local += [statistics.fmean(r) for r in rounds]
+            local.append(statistics.median(t for r in rounds for t in r))
         times = torch.tensor(local, dtype=torch.float64)
         comm.all_reduce(times, ReduceOp.MAX)
-        t_ours = pick(times[0::2].tolist())
-        t_raw = pick(times[1::2].tolist()) if use_raw else None
+        per = repeats + 1
+        picked = []
+        for k in (0, 1):
+            means = times[k * per: k * per + repeats].tolist()
+            call_median = float(times[k * per + repeats])
+            picked.append(call_median if stat == "call-median"
+                          else min(means) if stat == "min" else statistics.median(means))
+        t_ours = picked[0]
+        t_raw = picked[1] if use_raw else None
 
         buf.fill_(comm.rank % 2 + 1)
         comm.all_reduce(buf, op)
