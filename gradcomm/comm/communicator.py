@@ -177,9 +177,7 @@ class Communicator(abc.ABC):
         if op in self.native_reduce_ops:
             work = self._all_reduce(buf, op, desc)
         elif op is ReduceOp.AVG:
-            work = self._all_reduce(buf, ReduceOp.SUM, desc)
-            world_size = self._world_size
-            work.add_callback(lambda: buf.div_(world_size))
+            work = self._emulated_avg(buf, desc)
         else:  # pragma: no cover - a backend that lacks SUM is a programming error
             raise TypeError(f"{self.backend} backend does not support {op}")
         if done is not None:
@@ -187,6 +185,20 @@ class Communicator(abc.ABC):
         if buf is not tensor:
             work.add_callback(lambda: tensor.copy_(buf))
         return self._finish(work, async_op)
+
+    def _emulated_avg(self, buf: torch.Tensor, desc: str) -> Work:
+        """AVG as SUM then divide. 16-bit floats are summed in float32 and rounded once at the
+        end, so an average of in-range values never overflows (fp16 40000 + 40000 would) and
+        matches the float32 reference cast back to the dtype."""
+        world_size = self._world_size
+        if buf.dtype in (torch.float16, torch.bfloat16):
+            wide = buf.to(torch.float32)
+            work = self._all_reduce(wide, ReduceOp.SUM, desc)
+            work.add_callback(lambda: buf.copy_(wide.div_(world_size)))
+        else:
+            work = self._all_reduce(buf, ReduceOp.SUM, desc)
+            work.add_callback(lambda: buf.div_(world_size))
+        return work
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank, in place.
