@@ -12,12 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-import gradcomm
-from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
-from gradcomm.hooks import GradientReducer, apply_gradient_allreduce, default_predivide_factor
 from mpi_scripts.reducer_common import (
     batch,
     eval_bn,
@@ -29,6 +23,12 @@ from mpi_scripts.reducer_common import (
     reference_grads,
     seeded,
 )
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradcomm
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
+from gradcomm.hooks import GradientReducer, apply_gradient_allreduce, default_predivide_factor
 
 
 def run_ranks(world_size: int, fn: Callable[[ThreadCommunicator], Any],
@@ -320,7 +320,7 @@ def test_bucket_views_alias_grads_and_memory_does_not_grow() -> None:
                 lo = b.flat.data_ptr()
                 hi = lo + b.numel * b.flat.element_size()
                 for p in b.params:
-                    assert p.grad is not None and lo <= p.grad.data_ptr() < hi or p.numel() == 0
+                    assert (p.grad is not None and lo <= p.grad.data_ptr() < hi) or p.numel() == 0
             if comm.rank == 0 and step in (2, 5):
                 gc.collect()
                 counts.append(sum(type(o) in (torch.Tensor, nn.Parameter)
@@ -340,7 +340,7 @@ def test_view_mode_with_set_to_none_repoints_grads() -> None:
             model.zero_grad(set_to_none=True)
             loss_fn(model, *batch(comm.rank, seed=step)).backward()
         b = reducer._buckets[0]
-        return all(p.grad is v for p, v in zip(b.params, b.views))
+        return all(p.grad is v for p, v in zip(b.params, b.views, strict=True))
 
     assert run_ranks(2, fn) == [True, True]
 
@@ -569,3 +569,26 @@ def test_apply_gradient_allreduce_returns_module() -> None:
         return grads_of(model)
 
     assert grads_close(run_ranks(2, fn)[1], ref) == []
+
+
+def test_recovers_after_a_backward_pass_that_raised(caplog: pytest.LogCaptureFixture) -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        a = nn.Parameter(torch.ones(3))
+        b = nn.Parameter(torch.ones(3))
+        GradientReducer([("a", a), ("b", b)], comm, first_bucket_cap_mb=1e-6, bucket_cap_mb=1e-6)
+        handle = b.register_post_accumulate_grad_hook(
+            lambda p: (_ for _ in ()).throw(KeyError("user hook failed")))
+        try:  # a's bucket is sent, then a user hook raises: no end-of-backward callback
+            ((b * 2).sum() + (a * (comm.rank + 1.0)).sum()).backward()
+        except KeyError:
+            pass
+        handle.remove()
+        a.grad = b.grad = None
+        ((b * (comm.rank + 1.0)).sum() + (a * (comm.rank + 1.0)).sum()).backward()
+        return a.grad, b.grad
+
+    with caplog.at_level("WARNING", logger="gradcomm.hooks"):
+        out = run_ranks(2, fn)
+    for ga, gb in out:
+        assert torch.equal(ga, torch.full((3,), 1.5)) and torch.equal(gb, torch.full((3,), 1.5))
+    assert sum("ended with an error" in r.getMessage() for r in caplog.records) == 2

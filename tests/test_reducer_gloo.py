@@ -10,11 +10,6 @@ import warnings
 from typing import Any
 
 import torch
-from torch import nn
-
-import gradcomm
-from dist_utils import run_processes
-from gradcomm.hooks import GradientReducer
 from mpi_scripts.reducer_common import (
     batch,
     eval_bn,
@@ -25,6 +20,12 @@ from mpi_scripts.reducer_common import (
     make_model,
     reference_grads,
 )
+from torch import nn
+
+import gradcomm
+from gradcomm.hooks import GradientReducer
+
+from dist_utils import run_processes
 
 
 def half_grad(rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -80,7 +81,7 @@ def _gloo_checks(rank: int, world_size: int) -> bytes:
         # 3. fp16 and bf16 buckets; one SlowPathWarning per (backend, dtype, device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step in range(2):
+            for _step in range(2):  # the second round must not warn again
                 for dtype in (torch.float16, torch.bfloat16):
                     p = nn.Parameter(torch.zeros(257, dtype=dtype))
                     red = GradientReducer([p], comm)

@@ -1,10 +1,11 @@
 """Construction-time agreement between ranks: a model fingerprint check and a state broadcast.
 
 Both are written against the :class:`~gradcomm.comm.Communicator` interface only, so they work on
-every backend. The fingerprint check is one all-gather of two int64 numbers per rank (entry count and
-a 64-bit BLAKE2b digest) on the good path; only on a mismatch do two more all-gathers find and name
-the first differing entry. The broadcast packs tensors of any dtype into one uint8 buffer per device
-(no pickling; int64 and bool buffers keep their dtype), like DDP's coalesced module-state sync.
+every backend. The fingerprint check is one all-gather of two int64 numbers per rank (entry count
+and a 64-bit BLAKE2b digest) on the good path; only on a mismatch do two more all-gathers find and
+name the first differing entry. The broadcast packs tensors of any dtype into one uint8 buffer per
+device (no pickling; int64 and bool buffers keep their dtype), like DDP's coalesced module-state
+sync.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def broadcast_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], src: 
             chunks.append([t])
             sizes.append(padded)
     with torch.no_grad():
-        for dev, group, total in zip(keys, chunks, sizes):
+        for dev, group, total in zip(keys, chunks, sizes, strict=True):
             flat = torch.empty(total, dtype=torch.uint8, device=dev)
             slots = []
             off = 0
@@ -115,9 +116,9 @@ def broadcast_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], src: 
                 slots.append(flat[off:off + nbytes].view(t.dtype).view(t.shape))
                 off += -(-nbytes // _ALIGN) * _ALIGN
             if comm.rank == src:
-                for t, slot in zip(group, slots):
+                for t, slot in zip(group, slots, strict=True):
                     slot.copy_(t)
             comm.broadcast(flat, src)
             if comm.rank != src:
-                for t, slot in zip(group, slots):
+                for t, slot in zip(group, slots, strict=True):
                     t.copy_(slot)

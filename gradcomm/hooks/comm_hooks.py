@@ -16,16 +16,16 @@ Built-in hooks, selectable by :class:`CommHook` member, by its name, or as the f
 ==================  =====================================================================
 
 Accumulation dtype of the compression hooks: the sum is computed by the transport in the wire dtype
-(float16 or bfloat16) -- gloo adds 16-bit values element by element, rounding each partial sum to the
-wire dtype; a backend whose ``supports(dtype).transfer_dtype`` is wider (e.g. an MPI backend that
-upcasts to float32) accumulates in that wider dtype. The result is then cast back to the bucket's
-dtype. The reducer's pre-divide (see :func:`~gradcomm.hooks.default_predivide_factor`) keeps float16
-partial sums in range, "to avoid overflow" as the DDP fp16 hook puts it.
+(float16 or bfloat16) -- gloo adds 16-bit values element by element, rounding each partial sum to
+the wire dtype; a backend whose ``supports(dtype).transfer_dtype`` is wider (e.g. an MPI backend
+that upcasts to float32) accumulates in that wider dtype. The result is then cast back to the
+bucket's dtype. The reducer's pre-divide (see :func:`~gradcomm.hooks.default_predivide_factor`)
+keeps float16 partial sums in range, "to avoid overflow" as the DDP fp16 hook puts it.
 
-The bucket buffer ends with one presence flag per parameter (1 where this rank has a gradient for it,
-else 0) so that a parameter without a gradient on every rank keeps ``grad=None`` without a second
-collective; a custom hook must sum those flags with the gradients (any reduction of the whole buffer
-to a float dtype does, as 0/1 flags and their counts are exact there).
+The bucket buffer ends with one presence flag per parameter (1 where this rank has a gradient for
+it, else 0) so that a parameter without a gradient on every rank keeps ``grad=None`` without a
+second collective; a custom hook must sum those flags with the gradients (any reduction of the whole
+buffer to a float dtype does, as 0/1 flags and their counts are exact there).
 """
 
 from __future__ import annotations
@@ -181,10 +181,14 @@ def compress_wrapper(hook: CommHookFn, dtype: torch.dtype) -> CommHookFn:
             return hook(state, bucket)
         wire = flat.to(dtype)
         work = hook(state, bucket.with_buffer(wire))
-        return _then(work, lambda: flat.copy_(wire))
+
+        def decompress() -> None:
+            flat.copy_(wire)
+
+        return _then(work, decompress)
 
     compressed_hook.__name__ = f"{getattr(hook, '__name__', 'hook')}_{_DTYPE_NAMES[dtype]}"
-    compressed_hook.__doc__ = f"Run {compressed_hook.__name__[:-5]} on a {dtype} copy of the bucket."
+    compressed_hook.__doc__ = f"Run {compressed_hook.__name__[:-5]} on a {dtype} copy of a bucket."
     return compressed_hook
 
 
@@ -242,7 +246,9 @@ class CommHook(enum.Enum):
             except ValueError:
                 known = ", ".join(m.value for m in cls)
                 raise ValueError(f"unknown comm hook {value!r}; known: {known}") from None
-        raise TypeError(f"comm hook must be a CommHook, str or callable, got {type(value).__name__}")
+        raise TypeError(
+            f"comm hook must be a CommHook, str or callable, got {type(value).__name__}"
+        )
 
 
 _BUILTIN: dict[CommHook, CommHookFn] = {

@@ -12,8 +12,8 @@ How one backward pass is reduced (the algorithm of torch DDP's reducer, in Pytho
    every rank issues the same collectives in the same order.
 3. The first hook of a backward pass queues one end-of-backward callback on the autograd engine. It
    launches the remaining buckets (parameters with no gradient on this rank count as zeros), waits
-   for every bucket in order, post-divides and writes the averages back, so ``optimizer.step()`` after
-   ``loss.backward()`` sees averaged gradients.
+   for every bucket in order, post-divides and writes the averages back, so ``optimizer.step()``
+   after ``loss.backward()`` sees averaged gradients.
 
 Presence of gradients: each bucket's buffer carries one flag per parameter (1 when this rank has a
 gradient for it) that is summed with the gradients by the same collective. A parameter whose flag
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -60,7 +61,7 @@ def _queue_engine_callback(fn: Any) -> None:
     # torch has no public API to run code when a backward pass ends (the proposal to expose
     # torch.autograd.graph.queue_callback, pytorch#193958, was not merged); torch DDP and FSDP use
     # this same engine method.
-    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def _current_autograd_node() -> Any:
@@ -78,9 +79,9 @@ def default_predivide_factor(world_size: int, dtype: torch.dtype) -> float:
     overflow".
 
     * float16 / bfloat16: the largest power of two <= sqrt(world_size), but at least 2 -- about
-      the square root, which balances overflow of the sum against underflow of the parts, and a power
-      of two, so the division itself is exact (no rounding unless the result is subnormal). Two ranks
-      of 40000 in fp16 sum to 40000 (not inf); 8 ranks of 1e-7 average to 1.19e-7 (not 0).
+      the square root, which balances overflow of the sum against underflow of the parts, and a
+      power of two, so the division itself is exact (no rounding unless the result is subnormal).
+      Two ranks of 40000 in fp16 sum to 40000 (not inf); 8 ranks of 1e-7 average to 1.19e-7 (not 0).
     * wider dtypes: ``world_size`` (one division, before the sum, as DDP does; fp32 has the range).
 
     Raises:
@@ -114,6 +115,18 @@ class BucketInfo:
     param_names: tuple[str, ...]
 
 
+class _BackwardEnd:
+    """The end-of-backward callback of one backward pass (weakly referenced by the reducer)."""
+
+    __slots__ = ("__weakref__", "reducer")
+
+    def __init__(self, reducer: GradientReducer) -> None:
+        self.reducer = reducer
+
+    def __call__(self) -> None:
+        self.reducer._on_backward_end(self)
+
+
 class _Bucket:
     """A bucket's persistent state (internal)."""
 
@@ -137,6 +150,7 @@ class _Bucket:
             self.views.append(self.data.as_strided(p.shape, stride, offset))
             offset += p.numel()
         self.pending = len(self.params)
+        self.present = [False] * len(self.params)  # this rank has a gradient (this backward)
         self.work: Work | None = None
         self.grad_bucket: GradBucket | None = None
 
@@ -213,7 +227,8 @@ class GradientReducer:
             (``"allreduce"``, ``"fp16_compress"``, ``"bf16_compress"``) or a callable
             ``hook(state, bucket) -> Work`` (see :mod:`gradcomm.hooks.comm_hooks`).
         gradient_predivide_factor: divide gradients by this before the sum and by
-            ``world_size / factor`` after it; None: :func:`default_predivide_factor` per bucket dtype.
+            ``world_size / factor`` after it; None: :func:`default_predivide_factor` per bucket
+            dtype.
         overlap: launch buckets during backward as they fill (True) or all at its end (False, the
             old end-of-backward algorithm; same values, bit for bit).
         broadcast_parameters: broadcast parameters and buffers from rank 0 at construction.
@@ -255,7 +270,9 @@ class GradientReducer:
         if gradient_predivide_factor is not None:
             f = gradient_predivide_factor
             if isinstance(f, bool) or not isinstance(f, (int, float)):
-                raise TypeError(f"gradient_predivide_factor must be a number, got {type(f).__name__}")
+                raise TypeError(
+                    f"gradient_predivide_factor must be a number, got {type(f).__name__}"
+                )
             if not math.isfinite(f) or f <= 0:
                 raise ValueError(f"gradient_predivide_factor must be positive and finite, got {f}")
         hook_fn = resolve_comm_hook(comm_hook)
@@ -329,6 +346,7 @@ class GradientReducer:
         self._next = 0  # next bucket to launch
         self._polled = 0  # buckets below this index have completed
         self._removed = False
+        self._token: weakref.ref[_BackwardEnd] = weakref.ref(_BackwardEnd(self))  # dead
 
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
@@ -362,7 +380,7 @@ class GradientReducer:
 
     def predivide_factors(self) -> tuple[tuple[float, float], ...]:
         """``(pre, post)`` divide factors per bucket; ``pre * post == world_size``."""
-        return tuple(zip(self._pre, self._post))
+        return tuple(zip(self._pre, self._post, strict=True))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -454,15 +472,18 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ forward
     def _on_forward(self, module: nn.Module, args: Any) -> None:
-        outside_backward = _current_autograd_node() is None
-        if self._epoch_active and outside_backward:
-            # The previous backward pass ended with an error before its end-of-backward callback.
-            logger.warning("GradientReducer: the previous backward pass did not finish; "
+        self._discard_if_stale()
+        self._check_unchanged()
+        if self._broadcast_buffers and _current_autograd_node() is None:  # not a recompute
+            broadcast_tensors(self._comm, [b for _, b in module.named_buffers()])
+
+    def _discard_if_stale(self) -> None:
+        # A backward pass that raised never runs its end-of-backward callback; the engine then
+        # drops the callback, which is how we notice (the weak reference is dead).
+        if self._epoch_active and self._token() is None:
+            logger.warning("GradientReducer: the previous backward pass ended with an error; "
                            "discarding its partial reduction")
             self._abort_epoch()
-        self._check_unchanged()
-        if self._broadcast_buffers and outside_backward:
-            broadcast_tensors(self._comm, [b for _, b in module.named_buffers()])
 
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
@@ -472,34 +493,44 @@ class GradientReducer:
         if grad is not None and grad.layout is not torch.strided:
             raise TypeError(f"parameter {self._names[pid]} has a {grad.layout} gradient; "
                             "gradcomm reduces dense gradients only (use sparse=False)")
+        self._discard_if_stale()
         if not self._epoch_active:
             self._begin_epoch()
         bidx, _ = self._loc[pid]
         bucket = self._buckets[bidx]
+        slot = self._loc[pid][1]
         if self._ready[pid]:
             if bucket.work is not None:
                 self._abort_epoch()
                 raise RuntimeError(
-                    f"the gradient of {self._names[pid]} was accumulated again after {bucket.label()} "
-                    "was sent in this backward pass; this happens when a parameter is used both "
-                    "inside and outside a reentrant activation checkpoint (use "
-                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
+                    f"the gradient of {self._names[pid]} was accumulated again after "
+                    f"{bucket.label()} was sent in this backward pass; this happens when a "
+                    "parameter is used both inside and outside a reentrant activation checkpoint "
+                    "(use torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
                 )
+            self._stage(bucket, slot)  # accumulated again before the bucket left: copy again
             return
         self._ready[pid] = True
+        self._stage(bucket, slot)
         bucket.pending -= 1
         if self._overlap and bucket.pending == 0 and bidx == self._next:
-            while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-                self._launch(self._buckets[self._next])
-                self._next += 1
+            try:
+                while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+                    self._launch(self._buckets[self._next])
+                    self._next += 1
+            except BaseException:
+                self._abort_epoch()
+                raise
         self._poll()
 
     def _begin_epoch(self) -> None:
         self._check_unchanged()
+        token = _BackwardEnd(self)
+        self._token = weakref.ref(token)
         self._epoch_active = True
-        _queue_engine_callback(self._on_backward_end)
+        _queue_engine_callback(token)
 
-    def _on_backward_end(self) -> None:
+    def _on_backward_end(self, token: _BackwardEnd) -> None:
         node = _current_autograd_node()
         if node is not None:
             # End of a nested backward (reentrant checkpoint): run again when the outer node ends.
@@ -507,7 +538,7 @@ class GradientReducer:
 
             def requeue(*_: Any) -> None:
                 handle[0].remove()
-                _queue_engine_callback(self._on_backward_end)
+                _queue_engine_callback(token)
 
             handle.append(node.register_hook(requeue))
             return
@@ -522,34 +553,34 @@ class GradientReducer:
                 return
             self._polled += 1
 
-    def _launch(self, b: _Bucket) -> None:
-        pre = self._pre[b.index]
-        absent = []
+    def _stage(self, b: _Bucket, slot: int) -> None:
+        """Put one parameter's gradient into its bucket slot (DDP copies at hook time too)."""
+        p, v = b.params[slot], b.views[slot]
+        g = p.grad
+        b.present[slot] = g is not None
         with torch.no_grad():
-            if self._view:
-                for slot, p in enumerate(b.params):
-                    g, v = p.grad, b.views[slot]
-                    if g is None:
-                        v.zero_()
-                        absent.append(slot)
-                    elif g is not v:
-                        v.copy_(g)
-                        p.grad = v
-                if pre != 1.0:
-                    b.data.div_(pre)
+            if g is None:
+                v.zero_()  # no gradient on this rank counts as zeros
+            elif self._view:
+                if g is not v:
+                    v.copy_(g)
+                    p.grad = v  # pre-divided with the whole bucket at launch
+            elif self._pre[b.index] != 1.0:
+                torch.div(g, self._pre[b.index], out=v)
             else:
-                for slot, p in enumerate(b.params):
-                    g, v = p.grad, b.views[slot]
-                    if g is None:
-                        v.zero_()
-                        absent.append(slot)
-                    elif pre != 1.0:
-                        torch.div(g, pre, out=v)
-                    else:
-                        v.copy_(g)
-            b.flags.fill_(1)
-            for slot in absent:
-                b.flags[slot] = 0
+                v.copy_(g)
+
+    def _launch(self, b: _Bucket) -> None:
+        for slot in range(len(b.params)):
+            if not self._ready[b.param_ids[slot]]:  # flushed at the end of backward
+                self._stage(b, slot)
+        with torch.no_grad():
+            if self._view and self._pre[b.index] != 1.0:
+                b.data.div_(self._pre[b.index])
+            if all(b.present):
+                b.flags.fill_(1)
+            else:
+                b.flags.copy_(torch.tensor(b.present, dtype=b.dtype))
         warn_if_slow(self._comm, b.dtype, b.device)
         assert b.grad_bucket is not None
         work = self._hook(self._hook_state, b.grad_bucket)

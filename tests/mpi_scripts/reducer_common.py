@@ -91,7 +91,7 @@ def reference_grads(world_size: int, seed: int = 1) -> dict[str, torch.Tensor]:
 
 def grads_close(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor],
                 rtol: float = 1e-6) -> list[str]:
-    """Names whose gradient differs from ``want`` by more than ``rtol`` of the tensor's max |value|."""
+    """Names whose grad differs from ``want`` by more than ``rtol`` of the tensor's max |value|."""
     bad = []
     for name, ref in want.items():
         g = got.get(name)
