@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradcomm.comm import LaunchInfo, Launcher, detect_launch
+from gradcomm.comm import Launcher, LaunchInfo, detect_launch
 
 # (id, environment, expected (rank, world_size, local_rank, local_world_size, launcher))
 CASES: list[tuple[str, dict[str, str], tuple[int, int, int, int, Launcher]]] = [
