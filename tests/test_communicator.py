@@ -313,3 +313,31 @@ def test_gloo_rank_that_stops_calling_times_out_the_others(tmp_path: Path) -> No
     assert isinstance(elapsed, float), elapsed
     # It waited for the timeout, and raised within it plus a generous margin (no hang).
     assert timeout * 0.8 <= elapsed <= timeout + 20, elapsed
+
+
+def _gloo_wait_timeout(rank: int, world_size: int, flag: str) -> object:
+    late = Path(flag)
+    with gradcomm.init("gloo", timeout=60) as comm:
+        comm.barrier()
+        t = torch.full((5,), float(rank + 1))
+        if rank == 1:  # joins only after rank 0's short wait has timed out
+            deadline = time.monotonic() + 60
+            while not late.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            comm.all_reduce(t)
+            return t.tolist()
+        work = comm.all_reduce(t, async_op=True)
+        try:
+            with pytest.raises(CollectiveTimeoutError, match=r"within 1\.0 s"):
+                work.wait(timeout=1.0)  # shorter than the communicator's 60 s
+            assert not work.is_completed()
+        finally:
+            late.touch()
+        work.wait()  # the collective itself is intact: it completes once rank 1 joins
+        assert work.is_completed()
+        return t.tolist()
+
+
+def test_gloo_work_wait_timeout_then_complete(tmp_path: Path) -> None:
+    out = run_processes(_gloo_wait_timeout, 2, str(tmp_path / "late"), timeout=90)
+    assert out == [[3.0] * 5, [3.0] * 5]
