@@ -79,6 +79,16 @@ CASES: list[tuple[str, dict[str, str], tuple[int, int, int, int, Launcher]]] = [
         {"RANK": "1", "WORLD_SIZE": "3"},
         (1, 3, 1, 3, Launcher.TORCHRUN),
     ),
+    (
+        "local-rank-without-local-size",  # e.g. an older Hydra: MPI_LOCALRANKID alone
+        {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"},
+        (3, 4, 1, 4, Launcher.MPICH),
+    ),
+    (
+        "torchrun-without-local-world-size",  # two nodes of two: the local rank is kept
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"},
+        (3, 4, 1, 4, Launcher.TORCHRUN),
+    ),
     ("single", {"PATH": "/usr/bin", "HOME": "/root"}, (0, 1, 0, 1, Launcher.SINGLE)),
     ("empty-values-ignored", {"RANK": "", "OMPI_COMM_WORLD_RANK": "  "},
      (0, 1, 0, 1, Launcher.SINGLE)),

@@ -136,7 +136,8 @@ def detect_launch(
             ``rank`` and ``world_size``, i.e. all processes on one host).
 
     Returns:
-        A :class:`LaunchInfo`. A launcher that gives no local rank is read as all ranks on one host.
+        A :class:`LaunchInfo`. A launcher that gives no local rank is read as all ranks on one host;
+        one that gives a local rank but no local size gets ``local_world_size = world_size``.
 
     Raises:
         ValueError: only one of ``rank``/``world_size`` given, a variable that is not an integer, or
@@ -162,10 +163,11 @@ def detect_launch(
             )
         found_lr = _first(env, local_vars) if local_rank is None else local_rank
         found_lws = _first(env, local_size_vars) if local_world_size is None else local_world_size
-        if found_lr is None or found_lws is None:
-            # no local info: all ranks on one host; explicit wins
-            found_lr = found_rank if local_rank is None else local_rank
+        if found_lr is None:  # no local rank: read as all ranks on one host
+            found_lr = found_rank
             found_lws = size if local_world_size is None else local_world_size
+        elif found_lws is None:  # a local rank (e.g. MPI_LOCALRANKID alone): keep it
+            found_lws = size
         return LaunchInfo(found_rank, size, found_lr, found_lws, launcher)
 
     return LaunchInfo(
