@@ -70,7 +70,7 @@ def setup_logging(rank: int, level: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=10, help="passes over the training set")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--batch-size", type=int, default=64,
