@@ -592,3 +592,44 @@ def test_recovers_after_a_backward_pass_that_raised(caplog: pytest.LogCaptureFix
     for ga, gb in out:
         assert torch.equal(ga, torch.full((3,), 1.5)) and torch.equal(gb, torch.full((3,), 1.5))
     assert sum("ended with an error" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_torch_compile_with_reducer_attached_before_or_after_first_call(when: str) -> None:
+    def make() -> nn.Module:
+        with seeded(0):
+            return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    ref_model = make()
+    ref_model(torch.cat(xs)).pow(2).mean().backward()
+    ref = grads_of(ref_model)
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = make()
+        if when == "after":
+            compiled = torch.compile(model, backend="aot_eager")  # no C++ compiler needed
+            compiled(xs[comm.rank])
+            GradientReducer(model, comm)
+        else:
+            GradientReducer(model, comm)
+            compiled = torch.compile(model, backend="aot_eager")
+        compiled(xs[comm.rank]).pow(2).mean().backward()
+        return grads_of(model)
+
+    out = run_ranks(2, fn, timeout=60)
+    assert grads_close(out[0], ref, rtol=1e-5) == []  # type: ignore[arg-type]
+    assert_identical(out)
+
+
+def test_synchronize_is_idempotent_after_backward() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        p = nn.Parameter(torch.zeros(4))
+        reducer = GradientReducer([p], comm)
+        (p * (comm.rank + 1.0)).sum().backward()
+        reducer.synchronize()  # nothing in flight: no collective, values unchanged
+        reducer.synchronize()
+        return p.grad
+
+    for g in run_ranks(2, fn):
+        assert torch.equal(g, torch.full((4,), 1.5))

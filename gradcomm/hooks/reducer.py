@@ -242,9 +242,10 @@ class GradientReducer:
 
     During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
     collective times out, ``TypeError`` naming a parameter whose gradient is sparse, and
-    ``RuntimeError`` when a parameter or buffer was replaced on the module after wrapping or a
-    gradient was accumulated again after its bucket was sent (reentrant checkpointing of a
-    parameter also used outside the checkpointed region: use ``use_reentrant=False``).
+    ``RuntimeError`` (naming it) when a parameter, buffer or submodule was replaced on the module
+    after wrapping, or a parameter added or unfrozen there, or when a gradient was accumulated
+    again after its bucket was sent (reentrant checkpointing of a parameter also used outside the
+    checkpointed region: use ``use_reentrant=False``).
     """
 
     def __init__(
@@ -336,6 +337,7 @@ class GradientReducer:
 
         # ---- what to watch for replacement after wrapping
         self._owners: list[tuple[str, dict[str, Any], str, torch.Tensor]] = []
+        self._param_ids = frozenset(id(p) for p in self._params)
         if self._module is not None:
             self._owners = self._ownership()
 
@@ -346,6 +348,7 @@ class GradientReducer:
         self._next = 0  # next bucket to launch
         self._polled = 0  # buckets below this index have completed
         self._removed = False
+        self._checked = False  # module checked for replaced params since the last backward
         self._token: weakref.ref[_BackwardEnd] = weakref.ref(_BackwardEnd(self))  # dead
 
         self._handles: list[RemovableHandle] = [
@@ -469,11 +472,25 @@ class GradientReducer:
                     "its gradient would not be reduced (ranks would drift apart); change the model "
                     "before wrapping it, or call reducer.remove() and build a new GradientReducer"
                 )
+        if self._module is None:
+            return
+        # A submodule replaced or added, or a parameter unfrozen, after wrapping: its parameters
+        # are not in the old modules' tables above, and their gradients would stay local.
+        known = self._param_ids
+        for name, p in self._module.named_parameters():
+            if p.requires_grad and id(p) not in known:
+                raise RuntimeError(
+                    f"parameter {name} was added, replaced or unfrozen on the module after the "
+                    "GradientReducer was built, so its gradient would not be reduced (ranks would "
+                    "drift apart); change the model before wrapping it, or call reducer.remove() "
+                    "and build a new GradientReducer"
+                )
 
     # ------------------------------------------------------------------ forward
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         self._discard_if_stale()
         self._check_unchanged()
+        self._checked = True  # _begin_epoch need not check again
         if self._broadcast_buffers and _current_autograd_node() is None:  # not a recompute
             broadcast_tensors(self._comm, [b for _, b in module.named_buffers()])
 
@@ -524,7 +541,8 @@ class GradientReducer:
         self._poll()
 
     def _begin_epoch(self) -> None:
-        self._check_unchanged()
+        if not self._checked:
+            self._check_unchanged()
         token = _BackwardEnd(self)
         self._token = weakref.ref(token)
         self._epoch_active = True
@@ -634,6 +652,7 @@ class GradientReducer:
         self._next = 0
         self._polled = 0
         self._epoch_active = False
+        self._checked = False
 
     def _abort_epoch(self) -> None:
         # Wait for what was sent (every rank sent the same), so the next step starts clean.

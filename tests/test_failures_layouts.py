@@ -1,0 +1,64 @@
+"""Issue 5, items 6 and 7 over real gloo processes: gradient layouts (non-contiguous,
+channels_last, odd strides, size-1 dims), sparse gradients, integer ``ReduceOp.AVG``, and half
+precision (fp16 sums that would overflow, averages that would underflow, bf16 against references).
+
+A spawned 2-rank run executes the cases of ``mpi_scripts/failure_common.py``; a 4-rank gloo run and
+an 8-rank thread run check that averages of 1e-7 do not underflow to zero.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+import gradcomm
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
+from gradcomm.hooks import GradientReducer
+
+from dist_utils import TESTS_DIR, run_processes
+
+sys.path.insert(0, str(TESTS_DIR / "mpi_scripts"))
+import failure_common as fc
+
+CASES = ["layouts", "sparse_and_int", "half"]
+WORLD = 2
+
+results, test_gloo = fc.make_gloo_tests(CASES, WORLD)
+
+
+def _tiny_average(comm: gradcomm.Communicator) -> list[torch.Tensor]:
+    out = []
+    for dtype in (torch.float16, torch.bfloat16):
+        p = nn.Parameter(torch.zeros(5, dtype=dtype))
+        GradientReducer([p], comm)
+        (p * torch.tensor(1e-7, dtype=dtype)).sum().backward()
+        assert p.grad is not None
+        out.append(p.grad)
+    return out
+
+
+def _gloo_tiny_average(rank: int, world_size: int) -> list[float]:
+    with gradcomm.init("gloo", timeout=30) as comm:
+        return [g.float().tolist() for g in _tiny_average(comm)]
+
+
+def _want_tiny() -> list[list[float]]:
+    # the average of equal values is that value, in each dtype (1e-7 is subnormal in float16)
+    return [torch.full((5,), 1e-7, dtype=d).float().tolist() for d in (torch.float16,
+                                                                       torch.bfloat16)]
+
+
+def test_gloo_four_ranks_tiny_half_average_does_not_underflow() -> None:
+    for got in run_processes(_gloo_tiny_average, 4, timeout=100):
+        assert got == _want_tiny()
+        assert all(v > 0 for row in got for v in row)
+
+
+def test_threads_eight_ranks_tiny_half_average_does_not_underflow() -> None:
+    def fn(comm: ThreadCommunicator) -> list[list[float]]:
+        return [g.float().tolist() for g in _tiny_average(comm)]
+
+    for got in ThreadGroup(8, timeout=30).run(fn):
+        assert got == _want_tiny()
