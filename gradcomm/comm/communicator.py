@@ -40,6 +40,11 @@ class CollectiveObserver(Protocol):
         """Called once by :meth:`Communicator.close`, after the transport is released."""
         ...
 
+    def step(self) -> None:
+        """Marks the end of a training step (the gradient reducer may call it after each
+        backward's all-reduces complete); later collectives count in the next step."""
+        ...
+
 
 class Communicator(abc.ABC):
     """A group of ``world_size`` processes that run collectives on tensors of one device type.
