@@ -170,7 +170,7 @@ def collect_info(
     report["cuda"] = cuda
     aware = _cuda_aware_mpi(env, include_mpi)
     if include_mpi and mpi["mpi4py"] is not None and not mpi_initialized:
-        aware["reason"] += " [MPI not initialised: --init-mpi lets the library answer]"
+        aware["reason"] += "; MPI was not initialised, so the library was not asked (--init-mpi)"
     report["cuda_aware_mpi"] = aware
     report["env"] = {k: v for k, v in sorted(env.items()) if k.startswith("GRADCOMM_")}
     return report

@@ -101,11 +101,12 @@ def test_info_does_not_initialise_mpi() -> None:
         "from gradcomm.info import collect_info\n"
         "r = collect_info({})\n"
         "from mpi4py import MPI\n"
-        "print(MPI.Is_initialized(), r['versions']['mpi_library'] is not None)\n"
+        "print(MPI.Is_initialized(), r['versions']['mpi_library'] is not None,\n"
+        "      '--init-mpi' in r['cuda_aware_mpi']['reason'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=_clean_env(), timeout=60, check=True).stdout.split()
-    assert out == ["False", "True"]
+    assert out == ["False", "True", "True"]
 
 
 def _write_cli_script(tmp_path: Path) -> Path:
@@ -126,7 +127,7 @@ def test_info_under_mpiexec_json(tmp_path: Path) -> None:
         assert r["launch"]["launcher"] in ("mpich", "open-mpi", "pmix", "mvapich2")
         assert (r["backend"]["selected"], r["backend"]["reason"]) == ("gloo", "GRADCOMM_BACKEND")
         assert r["versions"]["mpi_library"]  # the MPI library's own banner
-        assert "MPI not initialised" not in r["cuda_aware_mpi"]["reason"]  # --init-mpi
+        assert "MPI was not initialised" not in r["cuda_aware_mpi"]["reason"]  # --init-mpi
     only0 = run_mpi(script, 2, ["info", "--json", "--rank0", "--no-mpi"], timeout=90)
     reports = [json.loads(line) for line in only0.stdout.splitlines() if line.startswith("{")]
     assert [r["launch"]["rank"] for r in reports] == [0]
