@@ -15,7 +15,7 @@ import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.profiler import OpRecord, Profiler, bus_factor, profile
 
-from dist_utils import run_processes
+from dist_utils import run_mpi, run_processes
 
 
 def _workload(comm: gradcomm.Communicator, prof: Profiler) -> None:
@@ -184,3 +184,36 @@ def test_gloo_env_writes_trace_per_rank_at_close(tmp_path: Path) -> None:
         assert [(e["name"], e["args"]["bytes"], e["pid"]) for e in events] == [
             ("all_reduce bucket 0", 64, rank), ("all_reduce bucket 1", 64, rank)]
         assert trace["otherData"]["summary"]["total"]["calls"] == 2
+
+
+# ----------------------------------------------------------------------------- real MPI
+_MPI_SCRIPT = """
+import json, sys
+import torch
+import gradcomm
+from gradcomm.profiler import profile
+
+with gradcomm.init("mpi", timeout=60) as comm, profile(comm) as prof:
+    comm.all_reduce(torch.ones(256), label="bucket 0")
+    comm.all_reduce(torch.ones(8, dtype=torch.float64), async_op=True, label="bucket 1").wait()
+    out = torch.zeros(2 * comm.world_size)
+    comm.all_gather(out, torch.ones(2))
+trace = prof.chrome_trace()
+rows = [[e["name"], e["args"]["bytes"], e["args"]["dtype"], e["pid"]]
+        for e in trace["traceEvents"] if e["ph"] == "X"]
+with open(sys.argv[1].replace("RANK", str(comm.rank)), "w") as f:
+    json.dump({"rows": rows, "backend": prof.backend}, f)
+"""
+
+
+@pytest.mark.mpi
+def test_mpi_backend_under_mpiexec(tmp_path: Path) -> None:
+    script = tmp_path / "profile_mpi.py"
+    script.write_text(_MPI_SCRIPT)
+    run_mpi(script, 2, [str(tmp_path / "out-RANK.json")], timeout=90)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out-{rank}.json").read_text())
+        assert got["backend"] == "mpi"
+        assert got["rows"] == [["all_reduce bucket 0", 1024, "float32", rank],
+                               ["all_reduce bucket 1", 64, "float64", rank],
+                               ["all_gather", 16, "float32", rank]]
