@@ -163,6 +163,12 @@ def test_gloo_world_size_one_issues_no_collective() -> None:
     model = eval_bn(make_model())
     GradientReducer(model, comm)
     loss_fn(model, *batch(0)).backward()
+    half = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    GradientReducer([half], comm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradcomm.SlowPathWarning)  # no collective: no slow path
+        (half * 3).sum().backward()
     assert calls == []
+    assert torch.equal(half.grad, torch.full((3,), 3.0, dtype=torch.float16))
     assert grads_close({n: p.grad for n, p in model.named_parameters()}, reference_grads(1)) == []
     comm.close()

@@ -124,11 +124,13 @@ _warned_lock = threading.Lock()
 def warn_if_slow(comm: Communicator, dtype: torch.dtype, device: torch.device) -> None:
     """Issue one :class:`~gradcomm.SlowPathWarning` per (backend, dtype, device) per process.
 
-    Warns when ``comm.supports(dtype, device).is_slow``; later calls with the same key are silent,
-    whatever the :mod:`warnings` filters say (filter the category to silence the first one).
+    Warns when ``comm.supports(dtype, device).is_slow`` and a collective will really be issued
+    (``world_size > 1``); later calls with the same key are silent, whatever the :mod:`warnings`
+    filters say (filter the category to silence the first one). The built-in hooks call it with
+    the dtype that goes on the wire; a custom hook that calls ``comm.all_reduce`` itself may too.
     """
     key = (comm.backend, dtype, str(device))
-    if key in _warned:
+    if key in _warned or comm.world_size == 1:
         return
     support = comm.supports(dtype, device)
     if not support.is_slow:

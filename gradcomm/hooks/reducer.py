@@ -42,7 +42,7 @@ from ..comm.communicator import Communicator
 from ..comm.errors import CollectiveTimeoutError
 from ..comm.work import Work
 from ._sync import broadcast_tensors, check_fingerprint
-from .comm_hooks import CommHook, CommHookFn, GradBucket, resolve_comm_hook, warn_if_slow
+from .comm_hooks import CommHook, CommHookFn, GradBucket, resolve_comm_hook
 
 __all__ = [
     "GradientReducer",
@@ -599,7 +599,6 @@ class GradientReducer:
                 b.flags.fill_(1)
             else:
                 b.flags.copy_(torch.tensor(b.present, dtype=b.dtype))
-        warn_if_slow(self._comm, b.dtype, b.device)
         assert b.grad_bucket is not None
         work = self._hook(self._hook_state, b.grad_bucket)
         if not isinstance(work, Work):
