@@ -189,13 +189,10 @@ def compress_wrapper(hook: CommHookFn, dtype: torch.dtype) -> CommHookFn:
 
         return _then(work, decompress)
 
-    compressed_hook.__name__ = f"{getattr(hook, '__name__', 'hook')}_{_DTYPE_NAMES[dtype]}"
-    compressed_hook.__doc__ = f"Run {compressed_hook.__name__[:-5]} on a {dtype} copy of a bucket."
+    inner = getattr(hook, "__name__", "hook")
+    compressed_hook.__name__ = f"{inner}_{str(dtype).removeprefix('torch.')}"
+    compressed_hook.__doc__ = f"Run {inner} on a {dtype} copy of a bucket."
     return compressed_hook
-
-
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-                torch.float64: "fp64"}
 
 
 def fp16_compress_wrapper(hook: CommHookFn) -> CommHookFn:

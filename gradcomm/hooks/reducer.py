@@ -159,9 +159,8 @@ class _Bucket:
                           self.numel * self.flat.element_size(), self.names)
 
     def label(self) -> str:
-        names = ", ".join(self.names[:3])
-        more = f" and {len(self.names) - 3} more" if len(self.names) > 3 else ""
-        return f"bucket {self.index} ({names}{more})"
+        assert self.grad_bucket is not None
+        return self.grad_bucket.label()
 
 
 def _assign_buckets(
