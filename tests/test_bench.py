@@ -167,6 +167,17 @@ def test_json_files_without_plot_is_a_usage_error(tmp_path: Path) -> None:
     assert info.value.code == 2
 
 
+@pytest.mark.parametrize(
+    "args", [["-d", "complex64"], ["-o", "mean"], ["--backend", "nosuch"], ["-b", "1Q"],
+             ["-b", "64", "-e", "8"], ["-f", "1"], ["-n", "0"]],
+)
+def test_bad_options_are_usage_errors(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
 def test_plot_without_matplotlib_names_pip(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

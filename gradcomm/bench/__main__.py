@@ -140,16 +140,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from .. import comm as gc
+    from ..comm.registry import normalize_backend_name
     from ..comm.types import ReduceOp
     from .metrics import dtype_name, parse_dtype, size_sweep
     from .results import SweepResult, format_table, write_csv, write_json
     from .sweep import make_raw_transport, run_sweep
 
-    dtype = parse_dtype(args.dtype)
-    op = ReduceOp.coerce("product" if args.op.strip().lower() == "prod" else args.op)
-    backends = []
-    for entry in args.backend or [gc.select_backend().name]:
-        backends += [b.strip() for b in entry.split(",") if b.strip()]
+    try:  # bad names are usage errors, reported alike on every rank before any rendezvous
+        dtype = parse_dtype(args.dtype)
+        op = ReduceOp.coerce("product" if args.op.strip().lower() == "prod" else args.op)
+        backends = []
+        for entry in args.backend or [gc.select_backend().name]:
+            backends += [normalize_backend_name(b) for b in entry.split(",")
+                         if b.strip()]
+        unknown = [b for b in backends if b not in gc.known_backends()]
+        if unknown:
+            raise ValueError(f"unknown backend(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(gc.known_backends())}")
+    except ValueError as exc:
+        parser.error(str(exc))
     elem = torch.empty((), dtype=dtype).element_size()
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor, elem)
     if not sizes:
