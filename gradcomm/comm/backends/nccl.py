@@ -188,9 +188,3 @@ class NCCLCommunicator(TorchDistCommunicator):
         if isinstance(tensor, torch.Tensor):  # always, after the base class's checks
             check_same_device(tensor, self.device, opname)
 
-    def _close(self) -> None:
-        group = self._group
-        super()._close()
-        shutdown = getattr(group, "shutdown", None)
-        if shutdown is not None:
-            shutdown()  # frees NCCL's communicators now, not at interpreter exit
