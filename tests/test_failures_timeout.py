@@ -1,8 +1,9 @@
 """Issue 5, item 2: a rank that dies or stops calling mid-backward never hangs the others.
 
 The last rank fails inside a gradient hook in the middle of ``loss.backward()``: it is SIGKILLed
-(``kill``) or sleeps for ten minutes (``stall``). The timeout comes from ``gradcomm.init(timeout=)``
-or from ``GRADCOMM_TIMEOUT``. Checked with real processes:
+(``kill``), raises an uncaught ValueError (``raise``) or sleeps for ten minutes (``stall``). The
+timeout comes from ``gradcomm.init(timeout=)`` or from ``GRADCOMM_TIMEOUT``. Checked with real
+processes:
 
 * gloo, ranks started like torchrun: every survivor raises a RuntimeError naming the all-reduce and
   the bucket (CollectiveTimeoutError when the peer stalls; the transport's connection error, or
@@ -84,7 +85,7 @@ def _run_torchrun_like(world_size: int, args: list[str], env: dict[str, str],
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("mode", "source"), [("kill", "arg"), ("stall", "env")])
+@pytest.mark.parametrize(("mode", "source"), [("kill", "arg"), ("raise", "arg"), ("stall", "env")])
 def test_gloo_rank_fails_mid_backward(mode: str, source: str) -> None:
     world_size = 3
     args = [mode, source, str(TIMEOUT)]
@@ -106,10 +107,12 @@ def test_gloo_rank_fails_mid_backward(mode: str, source: str) -> None:
         else:
             assert rec["type"] in ("CollectiveTimeoutError", "RuntimeError"), rec
     assert f"timeout={TIMEOUT}" in out
+    if mode == "raise":  # the victim itself ended with its own error
+        assert codes[-1] == 1 and "deliberate failure on rank 2 mid-backward" in out, (codes, out)
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("mode", "source"), [("kill", "env"), ("stall", "arg")])
+@pytest.mark.parametrize(("mode", "source"), [("kill", "env"), ("raise", "env"), ("stall", "arg")])
 def test_mpi_rank_fails_mid_backward_ends_the_job(mode: str, source: str) -> None:
     world_size = 3
     env = {"GRADCOMM_BACKEND": "mpi", "PYTHONPATH": PYTHONPATH}
@@ -132,3 +135,5 @@ def test_mpi_rank_fails_mid_backward_ends_the_job(mode: str, source: str) -> Non
             assert rec["type"] == "CollectiveTimeoutError", rec
             assert "all_reduce" in rec["message"] and "bucket" in rec["message"], rec
         assert "MPI_Abort" in out or "application called" in out, out
+    if mode == "raise":  # the abort hook printed the victim's traceback, then ended the job
+        assert "deliberate failure on rank 2 mid-backward" in out and "MPI_Abort" in out, out

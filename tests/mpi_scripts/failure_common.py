@@ -387,6 +387,7 @@ def _layout_params() -> dict[str, nn.Parameter]:
         "every_other": nn.Parameter(torch.randn(4, 6, generator=g)[:, ::2]),  # odd strides
         "size1": nn.Parameter(torch.randn(3, 1, 4, generator=g).permute(2, 1, 0)),  # (4, 1, 3)
         "scalar": nn.Parameter(torch.randn((), generator=g)),
+        "float64": nn.Parameter(torch.randn(2, 3, generator=g).double()),  # a bucket of its own
     }
 
 
@@ -397,7 +398,7 @@ def _layout_loss(params: dict[str, nn.Parameter], rank: int) -> torch.Tensor:
     s = float(rank) + 1.5
     return (y.pow(2).mean() + (params["transposed"] * s).pow(2).sum()
             + (params["every_other"] * s).sin().sum() + (params["size1"] * s).pow(3).sum()
-            + params["scalar"] * s)
+            + params["scalar"] * s + (params["float64"] * s).exp().sum().float())
 
 
 def run_layouts(comm: gradcomm.Communicator) -> Result:
@@ -425,6 +426,8 @@ def verify_layouts(results: list[Result], world_size: int) -> Problems:
             got, stride, channels_last = r[name]
             if not torch.allclose(got, want, rtol=1e-6, atol=1e-7):
                 problems.append(f"{name} rank {rank}: {float((got - want).abs().max()):.3g} off")
+            if got.dtype != local[0][name].dtype:
+                problems.append(f"{name} rank {rank}: grad dtype {got.dtype}")
             if stride != local[0][name].stride():
                 problems.append(f"{name} rank {rank}: grad strides {stride}, local "
                                 f"{local[0][name].stride()}")

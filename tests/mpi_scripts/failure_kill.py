@@ -1,8 +1,9 @@
 """One rank fails mid-backward; the others must end, with an error, within the timeout.
 
 Usage: ``python failure_kill.py MODE SOURCE`` on every rank (under mpiexec, or with torchrun's
-variables), MODE ``kill`` (the last rank SIGKILLs itself inside a gradient hook) or ``stall`` (it
-sleeps there for 10 minutes: stopped calling collectives), SOURCE ``arg`` (``gradcomm.init(
+variables), MODE ``kill`` (the last rank SIGKILLs itself inside a gradient hook), ``raise`` (an
+uncaught ValueError leaves that hook) or ``stall`` (it sleeps there for 10 minutes: stopped
+calling collectives), SOURCE ``arg`` (``gradcomm.init(
 timeout=argv[3])``) or ``env`` (``GRADCOMM_TIMEOUT``). Backend from ``GRADCOMM_BACKEND``.
 
 Prints, flushed, ``RESULT step0 ok rank=<r>`` after a normal step, ``RESULT victim t=<epoch s>``
@@ -40,6 +41,8 @@ def main() -> None:
             print(f"RESULT victim t={time.time():.3f}", flush=True)
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "raise":
+                raise ValueError(f"deliberate failure on rank {rank} mid-backward")
             time.sleep(600)
 
         # fc1's gradient arrives mid-backward: the buckets of the heads and fc2 are already sent
@@ -48,7 +51,7 @@ def main() -> None:
     start = time.monotonic()
     try:
         loss_fn(model, *batch(rank, seed=2)).backward()
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # the victim's ValueError is not caught: it exits non-zero
         text = " ".join(str(exc).split())
         print(f"RESULT error rank={rank} type={type(exc).__name__} "
               f"elapsed={time.monotonic() - start:.2f} message={text}", flush=True)
