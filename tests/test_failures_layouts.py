@@ -39,9 +39,16 @@ def _tiny_average(comm: gradcomm.Communicator) -> list[torch.Tensor]:
     return out
 
 
-def _gloo_tiny_average(rank: int, world_size: int) -> list[float]:
+def _gloo_tiny_average(rank: int, world_size: int) -> list[list[float]]:
     with gradcomm.init("gloo", timeout=30) as comm:
-        return [g.float().tolist() for g in _tiny_average(comm)]
+        out = [g.float().tolist() for g in _tiny_average(comm)]
+        # Large float16 values on 4+ ranks: the default pre-divide (2) lets the float16 sum
+        # overflow (4 x 20000); gradient_predivide_factor=world_size keeps it in range.
+        p = nn.Parameter(torch.zeros(5, dtype=torch.float16))
+        GradientReducer([p], comm, gradient_predivide_factor=float(world_size))
+        (p * torch.tensor(40000.0, dtype=torch.float16)).sum().backward()
+        assert p.grad is not None
+        return [*out, p.grad.float().tolist()]
 
 
 def _want_tiny() -> list[list[float]]:
@@ -50,10 +57,11 @@ def _want_tiny() -> list[list[float]]:
                                                                        torch.bfloat16)]
 
 
-def test_gloo_four_ranks_tiny_half_average_does_not_underflow() -> None:
+def test_gloo_four_ranks_half_average_neither_underflows_nor_overflows() -> None:
     for got in run_processes(_gloo_tiny_average, 4, timeout=100):
-        assert got == _want_tiny()
-        assert all(v > 0 for row in got for v in row)
+        assert got[:2] == _want_tiny()
+        assert all(v > 0 for row in got[:2] for v in row)
+        assert got[2] == [40000.0] * 5
 
 
 def test_threads_eight_ranks_tiny_half_average_does_not_underflow() -> None:
