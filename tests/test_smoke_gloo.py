@@ -3,6 +3,7 @@
 import torch
 
 import gradcomm
+
 from dist_utils import run_processes
 
 

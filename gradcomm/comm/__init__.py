@@ -6,7 +6,7 @@ add a backend, and :func:`detect_launch` for launcher detection.
 
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
-from .launcher import LaunchInfo, Launcher, detect_launch
+from .launcher import Launcher, LaunchInfo, detect_launch
 from .registry import (
     BackendStatus,
     available_backends,

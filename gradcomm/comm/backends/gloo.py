@@ -46,21 +46,27 @@ class GlooCommunicator(TorchDistCommunicator):
 
     def __init__(self, launch: LaunchInfo, *, timeout: float | None = 300.0) -> None:
         if not dist.is_available() or not dist.is_gloo_available():
-            raise RuntimeError("this torch build has no gloo support (torch.distributed.is_gloo_available() is False)")
+            raise RuntimeError(
+                "this torch build has no gloo support "
+                "(torch.distributed.is_gloo_available() is False)"
+            )
         super().__init__(launch, device=torch.device("cpu"), timeout=timeout)
 
     def _make_group(
         self, store: dist.Store, launch: LaunchInfo, timeout: float | None
     ) -> dist.ProcessGroup:
         seconds = 86400 if timeout is None else timeout
-        return dist.ProcessGroupGloo(
+        group = dist.ProcessGroupGloo(
             store, launch.rank, launch.world_size, datetime.timedelta(seconds=seconds)
         )
+        return group  # type: ignore[return-value]  # stubs say Backend; the methods are the same
 
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
         dev = self.device if device is None else torch.device(device)
         if dev.type != "cpu":
-            return Support(SupportLevel.UNSUPPORTED, f"the gloo backend here reduces CPU tensors, not {dev.type}")
+            return Support(
+                SupportLevel.UNSUPPORTED, f"the gloo backend here reduces CPU tensors, not {dev.type}"
+            )
         if dtype in _NATIVE:
             return Support(SupportLevel.NATIVE, "", dtype)
         if dtype in _SLOW:

@@ -24,7 +24,7 @@ from ..work import Work
 
 __all__ = ["TorchWork", "TorchDistCommunicator"]
 
-_TORCH_OPS = {
+_TORCH_OPS: dict[ReduceOp, dist.ReduceOp.RedOpType] = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
@@ -35,7 +35,7 @@ _TORCH_OPS = {
 
 def _reduce_options(op: ReduceOp) -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
-    opts.reduceOp = _TORCH_OPS[op]
+    opts.reduceOp = dist.ReduceOp(_TORCH_OPS[op])
     return opts
 
 
