@@ -337,6 +337,7 @@ class GradientReducer:
         # ---- what to watch for replacement after wrapping
         self._owners: list[tuple[str, dict[str, Any], str, torch.Tensor]] = []
         self._param_ids = frozenset(id(p) for p in self._params)
+        self._layouts = [(p.dtype, p.shape) for p in self._params]  # what the buckets hold
         if self._module is not None:
             self._owners = self._ownership()
 
@@ -464,6 +465,15 @@ class GradientReducer:
         return owners
 
     def _check_unchanged(self) -> None:
+        for name, p, (dtype, shape) in zip(self._names, self._params, self._layouts,
+                                           strict=True):
+            if p.dtype != dtype or p.shape != shape:  # model.double(), p.data = other shape
+                raise RuntimeError(
+                    f"parameter {name} is now {p.dtype} {tuple(p.shape)}, but it was {dtype} "
+                    f"{tuple(shape)} when the GradientReducer was built, and its bucket was sized "
+                    "for that; convert the model before wrapping it, or call reducer.remove() and "
+                    "build a new GradientReducer"
+                )
         for what, table, local, obj in self._owners:
             if table.get(local) is not obj:
                 raise RuntimeError(

@@ -330,15 +330,22 @@ def verify_tied(results: list[Result], world_size: int) -> Problems:
     return problems
 
 
-REPLACEMENTS = ("parameter", "buffer", "submodule", "added_module", "unfrozen")
+REPLACEMENTS = ("parameter", "buffer", "submodule", "added_module", "unfrozen", "retyped",
+                "resized")
 _REPLACED_NAMES = {"parameter": "parameter fc2.weight", "buffer": "buffer bn.running_mean",
                    "submodule": "parameter fc2.weight", "added_module": "parameter extra.weight",
-                   "unfrozen": "parameter head_b.weight"}
+                   "unfrozen": "parameter head_b.weight", "retyped": "parameter scale",
+                   "resized": "parameter scale"}
+_REPLACED_WHY = {"retyped": "is now torch.float64", "resized": "is now torch.float32 (1, 1)"}
 
 
 def _replace(model: nn.Module, what: str) -> None:
     if what == "unfrozen":  # frozen when wrapped, trained later
         model.head_b.requires_grad_(True)
+    elif what == "retyped":  # converted in place: the same Parameter objects, float64 data
+        model.double()
+    elif what == "resized":  # the same Parameter object, data of another shape (broadcasts)
+        model.scale.data = torch.ones(1, 1)
     elif what == "parameter":
         model.fc2.weight = nn.Parameter(torch.zeros(16, 16))
     elif what == "buffer":
@@ -363,7 +370,9 @@ def run_replaced(comm: gradcomm.Communicator) -> Result:
             model.head_b.requires_grad_(False)
         reducer = GradientReducer(model, comm)
         _replace(model, what)
-        out[what] = error_of(lambda m=model: loss_fn(m, *batch(comm.rank)).backward())
+        dtype = torch.float64 if what == "retyped" else torch.float32
+        out[what] = error_of(lambda m=model, d=dtype: loss_fn(m, *batch(comm.rank, dtype=d))
+                             .backward())
         reducer.remove()
     return out
 
@@ -372,8 +381,9 @@ def verify_replaced(results: list[Result], world_size: int) -> Problems:
     problems = []
     for what in REPLACEMENTS:
         problems += [f"{what}: {p}" for p in expect_error(
-            results, "RuntimeError", _REPLACED_NAMES[what], "after the GradientReducer was built",
-            key=lambda r, w=what: r[w])]
+            results, "RuntimeError", _REPLACED_NAMES[what], _REPLACED_WHY.get(what, "after"),
+            "when the GradientReducer was built" if what in _REPLACED_WHY
+            else "after the GradientReducer was built", key=lambda r, w=what: r[w])]
     return problems
 
 
