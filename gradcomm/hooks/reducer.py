@@ -242,9 +242,9 @@ class GradientReducer:
     During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
     collective times out, ``TypeError`` naming a parameter whose gradient is sparse, and
     ``RuntimeError`` (naming it) when a parameter, buffer or submodule was replaced on the module
-    after wrapping, or a parameter added or unfrozen there, or when a gradient was accumulated
-    again after its bucket was sent (reentrant checkpointing of a parameter also used outside the
-    checkpointed region: use ``use_reentrant=False``).
+    after wrapping, or a parameter added, unfrozen, converted to another dtype or resized there,
+    or when a gradient was accumulated again after its bucket was sent (reentrant checkpointing of
+    a parameter also used outside the checkpointed region: use ``use_reentrant=False``).
     """
 
     def __init__(
