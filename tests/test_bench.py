@@ -169,13 +169,59 @@ def test_json_files_without_plot_is_a_usage_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "args", [["-d", "complex64"], ["-o", "mean"], ["--backend", "nosuch"], ["-b", "1Q"],
-             ["-b", "64", "-e", "8"], ["-f", "1"], ["-n", "0"]],
+             ["-b", "64", "-e", "8"], ["-f", "1"], ["-n", "0"], ["--device", "nosuch"],
+             ["--device", "meta"]],
 )
 def test_bad_options_are_usage_errors(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(args)
     assert info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+class _InitCalled(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("args", "device"), [([], None), (["--device", "cuda"], "cuda"),
+                                                (["--device", "cuda:1"], "cuda:1"),
+                                                (["--device", "cpu"], "cpu")])
+def test_device_is_passed_to_init(
+    args: list[str], device: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gradcomm.comm
+
+    seen: list[dict[str, object]] = []
+
+    def fake_init(backend: str, **kw: object) -> None:
+        seen.append({"backend": backend, **kw})
+        raise _InitCalled
+
+    monkeypatch.setattr(gradcomm.comm, "init", fake_init)
+    with pytest.raises(_InitCalled):
+        main(["--backend", "gloo", *args])
+    assert seen == [{"backend": "gloo", "timeout": 300.0, "device": device}]
+
+
+def _device_rank(rank: int, world_size: int, out: str, device: str) -> int:
+    return main(["-b", "8", "-e", "16", "-n", "1", "-w", "0", "-r", "1", "--backend", "gloo",
+                 "--device", device, "--json", out, "--timeout", "60"])
+
+
+def test_device_cpu_sweep_records_device(tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    assert run_processes(_device_rank, 1, str(out), "cpu", timeout=60) == [0]
+    result = read_json(out)
+    assert result.meta["device"] == "cpu" and result.meta["devices"] == {"gloo": "cpu"}
+    assert [r.wrong for r in result.rows] == [0, 0]
+
+
+def test_device_the_backend_cannot_use_is_an_error(tmp_path: Path) -> None:
+    # gloo works on the CPU only: --device cuda must fail clearly, not silently use the CPU.
+    got = run_processes(_device_rank, 1, str(tmp_path / "x.json"), "cuda", timeout=60,
+                        expect_errors=True)
+    assert got[0][0] == "error", got
+    assert "ValueError" in got[0][1] and "not cuda" in got[0][1], got
 
 
 def test_plot_without_matplotlib_names_pip(

@@ -10,7 +10,14 @@ gradcomm's own overhead is a ratio. Results go to the terminal (rank 0), JSON, C
 from .metrics import algbw, busbw, busbw_factor, parse_dtype, parse_size, size_sweep
 from .plot import plot_busbw
 from .results import SweepResult, SweepRow, format_table, read_json, write_csv, write_json
-from .sweep import MPIRaw, RawTransport, TorchDistRaw, make_raw_transport, run_sweep
+from .sweep import (
+    MPIRaw,
+    RawTransport,
+    TorchDistRaw,
+    make_raw_transport,
+    raw_transport_unavailable,
+    run_sweep,
+)
 
 __all__ = [
     "algbw",
@@ -30,5 +37,6 @@ __all__ = [
     "TorchDistRaw",
     "MPIRaw",
     "make_raw_transport",
+    "raw_transport_unavailable",
     "run_sweep",
 ]

@@ -4,6 +4,8 @@ Examples::
 
     mpiexec -n 2 python -m gradcomm.bench --backend gloo --backend mpi --json sweep.json
     torchrun --nproc-per-node 2 -m gradcomm.bench -b 8 -e 256M --csv sweep.csv
+    torchrun --nproc-per-node 2 -m gradcomm.bench --backend nccl        # buffers on cuda:<rank>
+    mpiexec -n 2 python -m gradcomm.bench --backend mpi --device cuda   # MPI with GPU buffers
     python -m gradcomm.bench --plot busbw.png sweep-*.json     # plot saved runs, no launch
 """
 
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", action="append", default=None,
                    help="gradcomm backend; repeat for several (default: gradcomm's rule, "
                         "GRADCOMM_BACKEND, else nccl with CUDA, else gloo)")
+    p.add_argument("--device", default=None,
+                   help="device of the buffers, passed to gradcomm.init: cpu, cuda or cuda:<i> "
+                        "(default: the backend's, cpu for gloo and mpi, cuda:<local_rank> for "
+                        "nccl and cupy-nccl); mpi with cuda passes GPU buffers")
     p.add_argument("--no-raw", action="store_true", help="skip the raw transport's column")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds per collective before giving up (default 300)")
@@ -81,6 +87,15 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("need 1 <= --minbytes <= --maxbytes")
     if args.stepfactor <= 1:
         p.error("--stepfactor must be > 1")
+    if args.device is not None:
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError) as exc:
+            p.error(f"--device {args.device!r} is not a torch device: {exc}")
+        if device.type not in ("cpu", "cuda"):
+            p.error(f"--device must be cpu, cuda or cuda:<i>, got {args.device!r}")
 
 
 def _plot_only(args: argparse.Namespace) -> int:
@@ -115,6 +130,7 @@ def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "stat": args.stat,
+        "device": args.device,
         "time": f"max over ranks of each rank's {args.stat} (see --stat)",
         "busbw": "algbw * 2(n-1)/n (nccl-tests doc/PERFORMANCE.md)",
     }
@@ -125,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Raises:
         ImportError: ``--plot`` without matplotlib, or a backend's package is missing.
-        ValueError: unknown dtype, op or backend.
+        ValueError: unknown dtype, op or backend, or a --device the backend cannot use.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -144,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..comm.types import ReduceOp
     from .metrics import dtype_name, parse_dtype, size_sweep
     from .results import SweepResult, format_table, write_csv, write_json
-    from .sweep import make_raw_transport, run_sweep
+    from .sweep import make_raw_transport, raw_transport_unavailable, run_sweep
 
     try:  # bad names are usage errors, reported alike on every rank before any rendezvous
         dtype = parse_dtype(args.dtype)
@@ -179,10 +195,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"# time: max over ranks of the {args.stat} per call over {args.repeats} rounds; "
         "busbw = algbw * 2(n-1)/n (nccl-tests)")
     for name in backends:
-        comm = gc.init(name, timeout=args.timeout)
+        comm = gc.init(name, timeout=args.timeout, device=args.device)
+        if args.device is not None and comm.device.type != torch.device(args.device).type:
+            comm.close()  # every rank gets here alike: a usage error, not a hang
+            parser.error(f"the {name} backend works on {comm.device.type}, not --device "
+                         f"{args.device}")
         raw = None if args.no_raw else make_raw_transport(comm, args.timeout)
         try:
             say("#")
+            say(f"# {comm.backend} on {comm.device}")
+            result.meta.setdefault("devices", {})[comm.backend] = str(comm.device)
+            if not args.no_raw and raw is None:
+                say(f"# no raw column: {raw_transport_unavailable(comm)}")
             if raw is not None and not raw.supports(dtype, op):
                 say(f"# {raw.name} cannot reduce {dtype_name(dtype)} with {args.op}: "
                     "no raw column")

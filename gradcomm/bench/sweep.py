@@ -10,6 +10,10 @@ median over rounds (``stat="min"``: the minimum; ``stat="call-median"``: the med
 The buffers hold values every op leaves unchanged (zeros; ones for ``prod``), so repeated in-place
 reductions never overflow or produce denormals that would slow the arithmetic. After timing, one
 all-reduce of rank-dependent values is checked against the exact result (the ``#wrong`` column).
+
+The buffers live on the communicator's device. On a CUDA device every timed call is followed by
+``torch.cuda.synchronize`` (NCCL and CUDA-aware MPI calls return before the GPU finishes), as
+nccl-tests synchronises its stream before reading the clock.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ from ..comm.types import ReduceOp
 from .metrics import algbw, busbw, dtype_name, op_name
 from .results import SweepRow
 
-__all__ = ["RawTransport", "TorchDistRaw", "MPIRaw", "make_raw_transport", "run_sweep"]
+__all__ = [
+    "RawTransport",
+    "TorchDistRaw",
+    "MPIRaw",
+    "make_raw_transport",
+    "raw_transport_unavailable",
+    "run_sweep",
+]
 
 # dtypes gloo and MPI reduce natively (16-bit floats have no standard MPI datatype).
 _NATIVE_DTYPES = frozenset(
@@ -52,7 +63,7 @@ class RawTransport:
         raise NotImplementedError
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
-        """Reduce the contiguous CPU ``tensor`` in place across all ranks (blocking)."""
+        """Reduce the contiguous ``tensor`` (on the communicator's device) in place, all ranks."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -135,8 +146,10 @@ class TorchDistRaw(RawTransport):
 class MPIRaw(RawTransport):
     """mpi4py's ``Allreduce(MPI.IN_PLACE, buf, op)`` on a duplicate of ``MPI.COMM_WORLD``.
 
-    The tensor is handed to MPI as a NumPy view (no copy). float16/bfloat16 have no standard MPI
-    datatype, so they are not measured.
+    A CPU tensor is handed to MPI as a NumPy view (no copy); a CUDA tensor directly, through its
+    ``__cuda_array_interface__`` (mpi4py's GPU buffer protocol; only for a CUDA-aware MPI, see
+    :func:`raw_transport_unavailable`), after the current CUDA stream is synchronised so MPI reads
+    finished data. float16/bfloat16 have no standard MPI datatype, so they are not measured.
 
     Raises:
         ImportError: mpi4py is missing (pip install mpi4py).
@@ -163,7 +176,11 @@ class MPIRaw(RawTransport):
         return dtype in self._DTYPES and op in self._ops
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
-        self._comm.Allreduce(self._mpi.IN_PLACE, tensor.numpy(), op=self._ops[op])
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+            self._comm.Allreduce(self._mpi.IN_PLACE, tensor, op=self._ops[op])
+        else:
+            self._comm.Allreduce(self._mpi.IN_PLACE, tensor.numpy(), op=self._ops[op])
 
     def close(self) -> None:
         self._comm.Free()
@@ -174,12 +191,33 @@ def _single_host() -> bool:
     return launch.local_world_size == launch.world_size
 
 
-def make_raw_transport(comm: Communicator, timeout: float = 300.0) -> RawTransport | None:
-    """The raw transport under ``comm``'s backend, or None when there is none to compare.
+def raw_transport_unavailable(comm: Communicator) -> str | None:
+    """Why :func:`make_raw_transport` gives no transport for ``comm`` (a sentence), or None.
 
-    ``gloo``/``nccl``: :class:`TorchDistRaw`; ``mpi``: :class:`MPIRaw`.
+    There is none for backends other than gloo, nccl and mpi, nor for mpi on a CUDA device when
+    the MPI library is not CUDA-aware (``comm.cuda_aware`` False: mpi4py could not read the GPU
+    buffer; gradcomm itself stages through host memory then).
     """
     backend = comm.backend
+    if backend in ("gloo", "nccl"):
+        return None
+    if backend == "mpi":
+        if comm.device.type == "cpu" or bool(getattr(comm, "cuda_aware", False)):
+            return None
+        return (f"MPI is not CUDA-aware here, so mpi4py cannot take {comm.device} buffers "
+                "(gradcomm stages them through host memory)")
+    return f"no raw transport is measured for the {backend} backend"
+
+
+def make_raw_transport(comm: Communicator, timeout: float = 300.0) -> RawTransport | None:
+    """The raw transport under ``comm``'s backend, on its device, or None when there is none.
+
+    ``gloo``/``nccl``: :class:`TorchDistRaw`; ``mpi``: :class:`MPIRaw`. None (the reason:
+    :func:`raw_transport_unavailable`) for other backends and for a non-CUDA-aware MPI on CUDA.
+    """
+    backend = comm.backend
+    if raw_transport_unavailable(comm) is not None:
+        return None
     if backend in ("gloo", "nccl"):
         return TorchDistRaw(backend, comm, timeout)
     if backend == "mpi":
@@ -191,14 +229,35 @@ def make_raw_transport(comm: Communicator, timeout: float = 300.0) -> RawTranspo
 _STATS = ("median", "min", "call-median")
 
 
-def _timed(fn: Callable[[], object], iters: int, barrier: Callable[[], object]) -> list[float]:
-    """Per-call times of ``iters`` back-to-back calls after a barrier (their sum is the loop's)."""
+def _no_sync() -> None:
+    pass
+
+
+def _device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work: torch.cuda.synchronize on CUDA, else nothing."""
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return _no_sync
+
+
+def _timed(
+    fn: Callable[[], object], iters: int, barrier: Callable[[], object],
+    sync: Callable[[], None] = _no_sync,
+) -> list[float]:
+    """Per-call times of ``iters`` back-to-back calls after a barrier (their sum is the loop's).
+
+    ``sync`` runs before the barrier and after every call, so on a GPU each time covers the
+    finished collective, not only its launch.
+    """
     clock = time.perf_counter
+    sync()
     barrier()
+    sync()
     out = []
     last = clock()
     for _ in range(iters):
         fn()
+        sync()
         now = clock()
         out.append(now - last)
         last = now
@@ -222,11 +281,11 @@ def _expected(op: ReduceOp, world_size: int) -> float:
 def _count_wrong(tensor: torch.Tensor, op: ReduceOp, world_size: int) -> int:
     want = _expected(op, world_size)
     if tensor.is_floating_point():
-        target = torch.tensor(want, dtype=torch.float64).to(tensor.dtype)
+        target = torch.tensor(want, dtype=torch.float64).to(tensor.device, tensor.dtype)
         tol = 4 * torch.finfo(tensor.dtype).eps
         ok = torch.isclose(tensor.double(), target.double(), rtol=tol, atol=0.0)
     else:  # integers wrap as the transport's arithmetic does
-        target = torch.tensor(int(want), dtype=torch.int64).to(tensor.dtype)
+        target = torch.tensor(int(want), dtype=torch.int64).to(tensor.device, tensor.dtype)
         ok = tensor == target
     return int((~ok).sum())
 
@@ -247,7 +306,8 @@ def run_sweep(
     """Time ``comm.all_reduce`` (and ``raw``'s) for every size; call on every rank.
 
     Args:
-        comm: the communicator under test; its device must be the CPU (the buffers are).
+        comm: the communicator under test; the buffers are made on ``comm.device`` (CUDA:
+            synchronised around every timed call).
         sizes: message sizes in bytes (multiples of the element size; see ``size_sweep``).
         dtype: element type of the buffers.
         op: reduction op.
@@ -255,7 +315,8 @@ def run_sweep(
         warmup: untimed calls before the first round (nccl-tests' ``-w``).
         repeats: interleaved rounds of (gradcomm, raw); the time is the max over ranks of
             ``stat`` of each rank's times.
-        raw: the transport to compare with, or None to skip the raw column.
+        raw: the transport to compare with (taking tensors on ``comm.device``), or None to skip
+            the raw column.
         progress: called on every rank with each finished row.
         stat: ``"median"`` (default) or ``"min"`` over rounds of the mean per call, or
             ``"call-median"``: the median of every single call's time, which, like the minimum,
@@ -282,10 +343,13 @@ def run_sweep(
             raise ValueError(f"size {size} is not a positive multiple of {dtype}'s {elem} bytes")
     use_raw = raw is not None and raw.supports(dtype, op)
     n = comm.world_size
+    device = comm.device
+    sync = _device_sync(device)
     rows: list[SweepRow] = []
     for size in sizes:
         count = size // elem
-        buf = (torch.ones if op is ReduceOp.PRODUCT else torch.zeros)(count, dtype=dtype)
+        fill = torch.ones if op is ReduceOp.PRODUCT else torch.zeros
+        buf = fill(count, dtype=dtype, device=device)
 
         variants: list[tuple[str, Callable[[], object]]] = [
             ("ours", functools.partial(comm.all_reduce, buf, op))
@@ -299,15 +363,16 @@ def run_sweep(
         for rep in range(repeats):
             order = variants if rep % 2 == 0 else variants[::-1]
             for name, fn in order:
-                calls[name].append(_timed(fn, iters, comm.barrier))
+                calls[name].append(_timed(fn, iters, comm.barrier, sync))
         # Per rank: the mean per call of each round, and the median call; then max over ranks.
         local = []
         for name in ("ours", "raw"):
             rounds = calls.get(name, [[0.0]] * repeats)
             local += [statistics.fmean(r) for r in rounds]
             local.append(statistics.median(t for r in rounds for t in r))
-        times = torch.tensor(local, dtype=torch.float64)
+        times = torch.tensor(local, dtype=torch.float64, device=device)
         comm.all_reduce(times, ReduceOp.MAX)
+        times = times.cpu()
         per = repeats + 1
         picked = []
         for k in (0, 1):
