@@ -77,7 +77,8 @@ def run_processes(
     port = free_port()
     procs = [
         ctx.Process(
-            target=_child, args=(fn, r, world_size, port, dict(env or {}), args, results), daemon=True
+            target=_child, args=(fn, r, world_size, port, dict(env or {}), args, results),
+            daemon=True,
         )
         for r in range(world_size)
     ]
@@ -89,13 +90,17 @@ def run_processes(
         while len(got) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                pytest.fail(f"processes did not finish within {timeout} s; ranks done: {sorted(got)}")
+                pytest.fail(
+                    f"processes did not finish within {timeout} s; ranks done: {sorted(got)}"
+                )
             try:
                 rank, status, value = results.get(timeout=min(left, 0.5))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+                dead = [i for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in got]
                 if dead:
-                    pytest.fail(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                    codes = [procs[i].exitcode for i in dead]
+                    pytest.fail(f"rank(s) {dead} died with exit codes {codes}")
                 continue
             got[rank] = (status, value)
         for p in procs:
@@ -142,12 +147,44 @@ def require_mpi() -> str:
 
 def _mpiexec_flags(exe: str) -> list[str]:
     try:
-        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+        version = subprocess.run(
+            [exe, "--version"], capture_output=True, text=True, timeout=20
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
     if "Open MPI" in version or "OpenRTE" in version:
         return ["--oversubscribe", "--allow-run-as-root"]
     return []
+
+
+def run_command(
+    cmd: Sequence[str],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a session of its own, stdout and stderr together in ``.stdout``.
+
+    After ``timeout`` seconds the whole process group (a launcher and every rank it started) is
+    killed and the test fails with the output so far. With ``check=True`` a non-zero exit fails
+    the test and shows the output. ``env`` is the complete environment (default: this process's).
+    """
+    shown = " ".join(str(c) for c in cmd)
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=None if env is None else dict(env), cwd=cwd, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{shown} did not finish within {timeout} s:\n{out}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{shown} exited {proc.returncode}:\n{out}")
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, "")
 
 
 def run_mpi(
@@ -169,17 +206,4 @@ def run_mpi(
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)  # a torchrun-style variable would win over the MPI launcher's
     cmd = [exe, *_mpiexec_flags(exe), "-n", str(n), sys.executable, str(script), *args]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"mpiexec -n {n} {script} did not finish within {timeout} s:\n{out}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-    if check and proc.returncode != 0:
-        pytest.fail(f"mpiexec -n {n} {script} exited {proc.returncode}:\n{out}")
-    return result
+    return run_command(cmd, timeout=timeout, env=full_env, check=check)

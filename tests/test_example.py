@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_utils import REPO_ROOT, free_port, run_mpi, run_processes
+from dist_utils import REPO_ROOT, free_port, run_command, run_mpi, run_processes
 
 SCRIPT = REPO_ROOT / "examples" / "train_digits.py"
 RUN_TIMEOUT = 150.0  # seconds per launch (a run takes about 5-20 s on 2 cores)
@@ -38,19 +36,8 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str]) -> str:
-    """Run ``cmd`` in its own session; kill the whole session after RUN_TIMEOUT s."""
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {RUN_TIMEOUT} s:\n{out}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{out}"
-    return out
+    """Run ``cmd`` (must exit 0); the whole process group is killed after RUN_TIMEOUT s."""
+    return run_command(cmd, timeout=RUN_TIMEOUT, env=_env(), cwd=REPO_ROOT).stdout
 
 
 def _check_output(out: str, world_size: int) -> tuple[float, list[float]]:
