@@ -7,9 +7,17 @@ The same script runs, unchanged, as::
     GRADCOMM_BACKEND=mpi  mpiexec -n 2 python examples/train_digits.py
     GRADCOMM_BACKEND=gloo mpiexec -n 2 python examples/train_digits.py  # gloo, rendezvous over MPI
 
+and on GPUs (``--device`` defaults to the communicator's device: ``cuda:<local_rank>`` for nccl
+and cupy-nccl, the CPU for gloo and mpi)::
+
+    torchrun --nproc_per_node 2 examples/train_digits.py --backend nccl
+    mpiexec -n 2 python examples/train_digits.py --backend cupy-nccl
+    GRADCOMM_BACKEND=mpi mpiexec -n 2 python examples/train_digits.py --device cuda  # GPU buffers
+
 Data: ``sklearn.datasets.load_digits`` (1797 8x8 images, 10 classes, shipped with scikit-learn, no
 download), split once into train and held-out sets with a fixed seed (identical on every rank),
-features standardised with the training set's mean and standard deviation.
+features standardised with the training set's mean and standard deviation. The model and the data
+live on the communicator's device.
 
 Training: every step takes one global batch of ``--batch-size`` samples from a permutation that is
 the same on every rank; rank ``r`` trains on its shard ``batch[r::world_size]``. Each rank's loss is
@@ -78,6 +86,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128, help="width of the hidden layer")
     p.add_argument("--backend", default=None,
                    help="gradcomm backend (gloo, mpi, ...); default GRADCOMM_BACKEND, else auto")
+    p.add_argument("--device", default=None,
+                   help="device of the model and data, passed to gradcomm.init (cpu, cuda, "
+                        "cuda:<i>); default the backend's: cpu for gloo and mpi, "
+                        "cuda:<local_rank> for nccl and cupy-nccl")
     p.add_argument("--timeout", type=float, default=None,
                    help="collective timeout in seconds (default GRADCOMM_TIMEOUT, else 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, init and shuffling")
@@ -85,6 +97,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0 or args.hidden < 1:
         p.error("--epochs, --batch-size and --hidden must be >= 1 and --lr > 0")
+    if args.device is not None:
+        try:
+            torch.device(args.device)
+        except (RuntimeError, ValueError) as exc:
+            p.error(f"--device {args.device!r} is not a torch device: {exc}")
     return args
 
 
@@ -113,7 +130,8 @@ def evaluate(
     with torch.no_grad():
         pred = model(x[rank::ws]).argmax(1)
     counts = torch.tensor(
-        [(pred == y[rank::ws]).sum().item(), pred.numel()], dtype=torch.float64
+        [(pred == y[rank::ws]).sum().item(), pred.numel()], dtype=torch.float64,
+        device=comm.device,
     )
     comm.all_reduce(counts)
     return float(counts[0] / counts[1])
@@ -135,14 +153,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
     setup_logging(launch.rank, args.log_level)
 
-    comm = gradcomm.init(args.backend, timeout=args.timeout)
-    rank, ws = comm.rank, comm.world_size
-    log.info("%s launcher, backend %s, rank %d of %d, local rank %d",
-             launch.launcher.value, comm.backend, rank, ws, comm.local_rank)
+    comm = gradcomm.init(args.backend, timeout=args.timeout, device=args.device)
+    rank, ws, device = comm.rank, comm.world_size, comm.device
+    log.info("%s launcher, backend %s, rank %d of %d, local rank %d, device %s",
+             launch.launcher.value, comm.backend, rank, ws, comm.local_rank, device)
 
-    x_tr, y_tr, x_te, y_te = load_data(args.seed)
-    torch.manual_seed(args.seed)
+    x_tr, y_tr, x_te, y_te = (t.to(device) for t in load_data(args.seed))
+    torch.manual_seed(args.seed)  # initialised on the CPU: the same values on every device
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
+    model.to(device)
     # Broadcasts rank 0's parameters; from now on backward() leaves averaged gradients.
     reducer = gradcomm.GradientReducer(model, comm)
     log.info("gradient reducer: %d parameter(s) in %d bucket(s)",
@@ -159,8 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                file=sys.stderr, dynamic_ncols=True)
     for epoch in range(1, args.epochs + 1):
         model.train()
-        perm = torch.randperm(n, generator=gen)
-        stats = torch.zeros(3, dtype=torch.float64)  # summed loss, correct, samples (this rank)
+        perm = torch.randperm(n, generator=gen).to(device)
+        # summed loss, correct, samples (this rank)
+        stats = torch.zeros(3, dtype=torch.float64, device=device)
         for i in range(steps):
             batch = perm[i * args.batch_size:(i + 1) * args.batch_size]
             shard = batch[rank::ws]
@@ -171,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             (loss_sum * (ws / len(batch))).backward()
             opt.step()
             stats += torch.tensor([loss_sum.item(), (logits.argmax(1) == y_tr[shard]).sum().item(),
-                                   len(shard)], dtype=torch.float64)
+                                   len(shard)], dtype=torch.float64, device=device)
             bar.update()
         comm.all_reduce(stats)
         model.eval()
@@ -184,9 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bar.close()
 
     final = evaluate(model, comm, x_te, y_te)
-    digest = parameter_digest(model)
-    gathered = torch.empty(ws, digest.numel(), dtype=digest.dtype)
+    digest = parameter_digest(model).to(device)
+    gathered = torch.empty(ws, digest.numel(), dtype=digest.dtype, device=device)
     comm.all_gather(gathered, digest)
+    digest, gathered = digest.cpu(), gathered.cpu()
     same = bool((gathered == gathered[0]).all())
     elapsed = time.perf_counter() - start
     if rank == 0:

@@ -118,3 +118,21 @@ def _diverging_run(rank: int, world_size: int) -> int:
 
 def test_differing_parameters_exit_non_zero() -> None:
     assert run_processes(_diverging_run, 2, timeout=RUN_TIMEOUT) == [1, 1]
+
+
+# ----------------------------------------------------------------------------- --device
+def _device_run(rank: int, world_size: int, device: str) -> int:
+    return int(_load_example().main(["--epochs", "1", "--log-level", "WARNING",
+                                     "--device", device]))
+
+
+def test_explicit_cpu_device() -> None:
+    assert run_processes(_device_run, 2, "cpu", timeout=RUN_TIMEOUT) == [0, 0]
+
+
+@pytest.mark.parametrize("device", ["nosuch", "cuda:x"])
+def test_bad_device_is_a_usage_error(device: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _load_example().parse_args(["--device", device])
+    assert info.value.code == 2
+    assert "--device" in capsys.readouterr().err
