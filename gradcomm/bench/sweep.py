@@ -111,7 +111,7 @@ class TorchDistRaw(RawTransport):
         if comm.world_size == 1:
             store = dist.HashStore()
         else:
-            address = torch.zeros(256, dtype=torch.uint8)
+            address = torch.zeros(256, dtype=torch.uint8)  # on the CPU, sent on comm.device
             server = None
             if comm.rank == 0:
                 host = "127.0.0.1" if _single_host() else socket.gethostbyname(socket.getfqdn())
@@ -119,7 +119,9 @@ class TorchDistRaw(RawTransport):
                                        wait_for_workers=False)
                 text = f"{host}:{server.port}".encode()
                 address[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-            comm.broadcast(address, src=0)
+            sent = address.to(comm.device)
+            comm.broadcast(sent, src=0)
+            address = sent.cpu()
             host, port = bytes(address[address > 0].tolist()).decode().rsplit(":", 1)
             store = server if server is not None else dist.TCPStore(
                 host, int(port), comm.world_size, False, timeout=td
