@@ -690,7 +690,6 @@ CASES: dict[str, tuple[Callable[[gradcomm.Communicator], Result],
 
 def run_cases(comm: gradcomm.Communicator, names: list[str]) -> dict[str, Result]:
     """Run the named cases in order on this rank; a case that raises records ``("raised", ...)``."""
-    torch.set_num_threads(1)
     out: dict[str, Result] = {}
     for name in names:
         try:
@@ -715,6 +714,7 @@ def gloo_child(rank: int, world_size: int, names: list[str], timeout: float) -> 
     Results go back as ``torch.save`` bytes: tensors put on a multiprocessing queue would share
     memory with the exiting child.
     """
+    torch.set_num_threads(1)  # two cores shared by every rank
     with gradcomm.init("gloo", timeout=timeout) as comm:
         out = run_cases(comm, names)
         comm.barrier()
