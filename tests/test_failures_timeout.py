@@ -123,7 +123,9 @@ def test_mpi_rank_fails_mid_backward_ends_the_job(mode: str, source: str) -> Non
     ended = time.time()
     out = proc.stdout
     assert proc.returncode != 0, out
-    assert len(_records(out, "step0 ok")) == world_size, out
+    # The victim finished step 0, whose all-reduces need every rank (the others' lines may be
+    # lost: MPI_Abort can kill a rank before mpiexec forwards its output).
+    assert {r["rank"] for r in _records(out, "step0 ok")} >= {str(world_size - 1)}, out
     assert f"timeout={TIMEOUT}" in out
     (victim,) = _records(out, "victim")
     # the whole job (the victim included, when it only stalled) ended soon after the failure
