@@ -217,3 +217,24 @@ def test_mpi_backend_under_mpiexec(tmp_path: Path) -> None:
         assert got["rows"] == [["all_reduce bucket 0", 1024, "float32", rank],
                                ["all_reduce bucket 1", 64, "float64", rank],
                                ["all_gather", 16, "float32", rank]]
+
+
+def _reducer_two_steps(comm: ThreadCommunicator) -> list[tuple[int | None, str | None]]:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    reducer = gradcomm.GradientReducer(model, comm, bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    with profile(comm) as prof:
+        for _ in range(2):
+            model(torch.randn(5, 4) * (comm.rank + 1)).sum().backward()
+    reducer.remove()
+    return [(r.step, r.label) for r in prof.records]
+
+
+def test_reducer_marks_one_profiler_step_per_backward() -> None:
+    results = ThreadGroup(2).run(_reducer_two_steps)
+    for records in results:
+        assert isinstance(records, list)
+        steps = [step for step, _ in records]
+        per_step = len(records) // 2
+        assert per_step >= 2  # the tiny cap gives one bucket per parameter
+        assert steps == [0] * per_step + [1] * per_step
+        assert all(label is not None and label.startswith("bucket") for _, label in records)

@@ -631,6 +631,9 @@ class GradientReducer:
             self._abort_epoch()
             raise
         self._reset_epoch()
+        observer = self._comm.profiler
+        if observer is not None:
+            observer.step()  # a profiled step ends when its backward's buckets are reduced
 
     def _write_back(self, b: _Bucket) -> None:
         post = self._post[b.index]
