@@ -135,6 +135,7 @@ _USER_OP_MAX_WORLD = 2
 # sleeps doubling from _SLEEP_START_S up to _SLEEP_CAP_S, so a rank waiting for a late or dead
 # peer stops burning a core. A transfer progresses only when Test() is called, so the yielding
 # phase is long enough for any usual bucket (25 MiB takes ~25 ms here).
+_ABORT_GRACE_S = 0.5
 _TESTS_PER_CHECK = 16
 _YIELD_AFTER_S = 1e-3
 _SPIN_S = 1.0
@@ -183,6 +184,9 @@ def install_abort_hook() -> bool:
                     except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
                         pass
                 if MPI.Is_initialized() and not MPI.Is_finalized():
+                    # Give the launcher a moment to forward the traceback: MPI_Abort tears the
+                    # job down at once and mpiexec can drop output still in its pipes.
+                    time.sleep(_ABORT_GRACE_S)
                     MPI.COMM_WORLD.Abort(1)
 
         sys.excepthook = _abort_hook
