@@ -65,7 +65,8 @@ class GlooCommunicator(TorchDistCommunicator):
         dev = self.device if device is None else torch.device(device)
         if dev.type != "cpu":
             return Support(
-                SupportLevel.UNSUPPORTED, f"the gloo backend here reduces CPU tensors, not {dev.type}"
+                SupportLevel.UNSUPPORTED,
+                f"the gloo backend here reduces CPU tensors, not {dev.type}",
             )
         if dtype in _NATIVE:
             return Support(SupportLevel.NATIVE, "", dtype)
