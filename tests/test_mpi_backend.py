@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,6 +88,19 @@ def test_timeout_raises_and_job_ends_non_zero() -> None:
     assert "CollectiveTimeoutError" in out, out
     (broken,) = _results(out, "broken")
     assert "unusable" in broken and "timed out" in broken, broken
+
+
+def test_gloo_under_mpiexec_stalled_rank_ends_the_job() -> None:
+    # The gloo rendezvous initialised MPI; without the abort hook rank 0 would time out, then
+    # hang in MPI_Finalize at exit waiting for rank 1 (asleep for 600 s).
+    start = time.monotonic()
+    proc = run_mpi(SCRIPTS / "mpi_backend_gloo_stall.py", 2, ["2"], timeout=60, check=False)
+    elapsed = time.monotonic() - start
+    out = proc.stdout
+    assert proc.returncode != 0, out
+    (line,) = _results(out, "gloo-timeout")
+    assert float(line.split("elapsed=")[1]) >= 2.0, line
+    assert elapsed < 40, (elapsed, out)  # the job ended long before rank 1 woke up
 
 
 def test_uncaught_error_aborts_the_job() -> None:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from .launcher import LaunchInfo
+from .mpi_abort import abort_on_error_enabled, install_abort_hook
 
 __all__ = ["create_store"]
 
@@ -48,6 +49,8 @@ def _store_via_mpi(launch: LaunchInfo, timeout: datetime.timedelta) -> dist.Stor
             "started by an MPI launcher without MASTER_ADDR/MASTER_PORT: the rendezvous through "
             "MPI needs mpi4py (pip install mpi4py), or set MASTER_ADDR and MASTER_PORT"
         ) from exc
+    if abort_on_error_enabled():
+        install_abort_hook()  # MPI is initialised now: a dead rank must not hang MPI_Finalize
     comm = MPI.COMM_WORLD
     if comm.Get_size() != launch.world_size or comm.Get_rank() != launch.rank:
         raise RuntimeError(

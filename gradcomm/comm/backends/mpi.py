@@ -57,11 +57,9 @@ ends the whole job instead of leaving the other ranks spinning in a collective. 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from types import TracebackType
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +67,7 @@ import torch
 from ..communicator import Communicator
 from ..errors import BackendUnavailableError
 from ..launcher import Launcher, LaunchInfo
+from ..mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import Work
 
@@ -92,7 +91,6 @@ __all__ = [
 ]
 
 #: Environment variable that turns off the abort-on-uncaught-error hook when set to ``0``.
-ABORT_ENV_VAR = "GRADCOMM_MPI_ABORT_ON_ERROR"
 
 _NATIVE = frozenset(
     {
@@ -135,63 +133,12 @@ _USER_OP_MAX_WORLD = 2
 # sleeps doubling from _SLEEP_START_S up to _SLEEP_CAP_S, so a rank waiting for a late or dead
 # peer stops burning a core. A transfer progresses only when Test() is called, so the yielding
 # phase is long enough for any usual bucket (25 MiB takes ~25 ms here).
-_ABORT_GRACE_S = 0.5
 _TESTS_PER_CHECK = 16
 _YIELD_AFTER_S = 1e-3
 _SPIN_S = 1.0
 _SLEEP_START_S = 1e-5
 _SLEEP_CAP_S = 1e-3
 
-_hook_lock = threading.Lock()
-_hook_installed = False
-
-
-def abort_on_error_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """Whether ``GRADCOMM_MPI_ABORT_ON_ERROR`` allows the abort hook (default: yes).
-
-    ``0``, ``false``, ``no`` and ``off`` (any case) turn it off; anything else leaves it on.
-    """
-    env = os.environ if env is None else env
-    return env.get(ABORT_ENV_VAR, "1").strip().lower() not in {"0", "false", "no", "off"}
-
-
-def install_abort_hook() -> bool:
-    """Make an uncaught exception abort the whole MPI job, as ``python -m mpi4py`` does.
-
-    Installs, once per process, a :data:`sys.excepthook` that calls the previous hook (which prints
-    the traceback), flushes the standard streams, then calls ``MPI.COMM_WORLD.Abort(1)`` while MPI
-    is initialised and not finalised. Without it, the other ranks would wait in their next
-    collective until its timeout (or forever), spinning at 100% CPU.
-
-    Returns:
-        True when this call installed the hook, False when it was already installed.
-    """
-    global _hook_installed
-    with _hook_lock:
-        if _hook_installed:
-            return False
-        previous = sys.excepthook
-
-        def _abort_hook(
-            exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
-        ) -> None:
-            try:
-                previous(exc_type, exc, tb)
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
-                        pass
-                if MPI.Is_initialized() and not MPI.Is_finalized():
-                    # Give the launcher a moment to forward the traceback: MPI_Abort tears the
-                    # job down at once and mpiexec can drop output still in its pipes.
-                    time.sleep(_ABORT_GRACE_S)
-                    MPI.COMM_WORLD.Abort(1)
-
-        sys.excepthook = _abort_hook
-        _hook_installed = True
-        return True
 
 
 class MPIWork(Work):

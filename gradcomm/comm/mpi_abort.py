@@ -1,0 +1,73 @@
+"""Abort the whole MPI job when one rank dies of an uncaught exception.
+
+Used by the mpi backend and by the torch.distributed backends' rendezvous through MPI (both
+initialise MPI). Without it, an uncaught error on one rank leaves the others spinning in a
+collective, or, once MPI is initialised, hanging in ``MPI_Finalize`` at exit while a peer is stuck.
+Set ``GRADCOMM_MPI_ABORT_ON_ERROR=0`` to opt out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from types import TracebackType
+
+__all__ = ["ABORT_ENV_VAR", "abort_on_error_enabled", "install_abort_hook"]
+
+ABORT_ENV_VAR = "GRADCOMM_MPI_ABORT_ON_ERROR"
+_ABORT_GRACE_S = 0.5
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def abort_on_error_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``GRADCOMM_MPI_ABORT_ON_ERROR`` allows the abort hook (default: yes).
+
+    ``0``, ``false``, ``no`` and ``off`` (any case) turn it off; anything else leaves it on.
+    """
+    env = os.environ if env is None else env
+    return env.get(ABORT_ENV_VAR, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def install_abort_hook() -> bool:
+    """Make an uncaught exception abort the whole MPI job, as ``python -m mpi4py`` does.
+
+    Installs, once per process, a :data:`sys.excepthook` that calls the previous hook (which prints
+    the traceback), flushes the standard streams, then calls ``MPI.COMM_WORLD.Abort(1)`` while MPI
+    is initialised and not finalised. Without it, the other ranks would wait in their next
+    collective until its timeout (or forever), spinning at 100% CPU.
+
+    Returns:
+        True when this call installed the hook, False when it was already installed.
+    """
+    global _hook_installed
+    with _hook_lock:
+        if _hook_installed:
+            return False
+        previous = sys.excepthook
+
+        def _abort_hook(
+            exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+        ) -> None:
+            try:
+                previous(exc_type, exc, tb)
+            finally:
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
+                        pass
+                from mpi4py import MPI
+
+                if MPI.Is_initialized() and not MPI.Is_finalized():
+                    # Give the launcher a moment to forward the traceback: MPI_Abort tears the
+                    # job down at once and mpiexec can drop output still in its pipes.
+                    time.sleep(_ABORT_GRACE_S)
+                    MPI.COMM_WORLD.Abort(1)
+
+        sys.excepthook = _abort_hook
+        _hook_installed = True
+        return True
