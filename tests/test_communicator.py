@@ -341,3 +341,10 @@ def _gloo_wait_timeout(rank: int, world_size: int, flag: str) -> object:
 def test_gloo_work_wait_timeout_then_complete(tmp_path: Path) -> None:
     out = run_processes(_gloo_wait_timeout, 2, str(tmp_path / "late"), timeout=90)
     assert out == [[3.0] * 5, [3.0] * 5]
+
+
+def test_wait_rejects_a_negative_timeout_even_when_complete() -> None:
+    from gradcomm.comm.work import CompletedWork
+
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        CompletedWork().wait(timeout=-1)

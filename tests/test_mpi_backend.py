@@ -103,6 +103,14 @@ def test_gloo_under_mpiexec_stalled_rank_ends_the_job() -> None:
     assert elapsed < 40, (elapsed, out)  # the job ended long before rank 1 woke up
 
 
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_all_gather_with_input_aliasing_output(backend: str) -> None:
+    # MPI rejects (or silently mis-reads) a send buffer inside the receive buffer; the base
+    # class sends a copy instead, so both idioms give the right values on every backend.
+    proc = run_mpi(SCRIPTS / "mpi_backend_allgather_alias.py", 2, [backend], timeout=60)
+    assert len(_results(proc.stdout, "alias-ok")) == 2, proc.stdout
+
+
 def test_uncaught_error_aborts_the_job() -> None:
     # Rank 0 would wait 300 s in its barrier; the abort hook ends the job when rank 1 raises.
     proc = run_mpi(SCRIPTS / "mpi_backend_abort.py", 2, ["300"], timeout=40, check=False)

@@ -265,6 +265,10 @@ class Communicator(abc.ABC):
             output.copy_(input.reshape(output.shape))
             return CompletedWork()
         src = input if input.is_contiguous() else input.contiguous()
+        if src.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+            # input is a view into output (e.g. this rank's own slot): transports read input
+            # while writing output, and MPI rejects aliased buffers, so send a copy.
+            src = src.clone()
         out = output if output.is_contiguous() else output.contiguous()
         done = (
             None

@@ -63,11 +63,11 @@ class Work(abc.ABC):
             CollectiveTimeoutError: not complete within the timeout (a RuntimeError subclass).
             RuntimeError: the transport failed (e.g. a peer closed its connection).
         """
-        if self._done:
-            return
         limit = self.timeout if timeout is None else timeout
         if limit is not None and limit < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
+        if self._done:
+            return
         try:
             self._wait(limit)
         except TimeoutError as exc:
