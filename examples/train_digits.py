@@ -169,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     n = len(x_tr)
+    if args.batch_size < ws:
+        log.error("--batch-size %d is smaller than the world size %d: some ranks would get "
+                  "empty shards", args.batch_size, ws)
+        comm.close()
+        return 2
     steps = (n + args.batch_size - 1) // args.batch_size
     log.info("%d training samples, %d held out; global batch %d (about %d per rank), %d steps "
              "per epoch", n, len(x_te), args.batch_size, -(-args.batch_size // ws), steps)
@@ -209,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     comm.all_gather(gathered, digest)
     digest, gathered = digest.cpu(), gathered.cpu()
     same = bool((gathered == gathered[0]).all())
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     elapsed = time.perf_counter() - start
     if rank == 0:
         print(f"final held-out accuracy: {final:.4f}")
@@ -221,8 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"backend {comm.backend}, {ws} rank(s), wall time {elapsed:.1f} s", flush=True)
     if not same:
         log.error("parameters differ across ranks")
+    if not finite:
+        log.error("training diverged: non-finite parameters (lower --lr or raise --batch-size)")
     comm.close()
-    return 0 if same else 1
+    return 0 if same and finite else 1
 
 
 if __name__ == "__main__":

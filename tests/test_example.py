@@ -120,6 +120,21 @@ def test_differing_parameters_exit_non_zero() -> None:
     assert run_processes(_diverging_run, 2, timeout=RUN_TIMEOUT) == [1, 1]
 
 
+def _bad_training_run(rank: int, world_size: int, extra: list[str]) -> int:
+    return int(_load_example().main(["--epochs", "2", "--log-level", "ERROR", *extra]))
+
+
+@pytest.mark.parametrize(
+    ("extra", "code"),
+    [(["--lr", "50"], 1), (["--batch-size", "1"], 2)],
+    ids=["diverged-training", "batch-smaller-than-world"],
+)
+def test_bad_training_setups_exit_non_zero(extra: list[str], code: int) -> None:
+    # A run whose parameters went non-finite must not report success; a global batch smaller
+    # than the world size would leave ranks with empty shards.
+    assert run_processes(_bad_training_run, 2, extra, timeout=RUN_TIMEOUT) == [code, code]
+
+
 # ----------------------------------------------------------------------------- --device
 def _device_run(rank: int, world_size: int, device: str) -> int:
     return int(_load_example().main(["--epochs", "1", "--log-level", "WARNING",
