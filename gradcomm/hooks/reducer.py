@@ -192,6 +192,9 @@ def _named_params(
         return module_or_params, list(module_or_params.named_parameters())
     if isinstance(module_or_params, torch.Tensor):
         raise TypeError("pass an nn.Module or an iterable of parameters, not a single tensor")
+    if not isinstance(module_or_params, Iterable):
+        raise TypeError("GradientReducer takes an nn.Module or an iterable of parameters, got "
+                        f"{type(module_or_params).__name__}")
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for i, item in enumerate(module_or_params):
