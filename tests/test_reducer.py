@@ -532,7 +532,7 @@ def test_bad_arguments() -> None:
         GradientReducer(model, object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="single tensor"):
         GradientReducer(torch.ones(2, requires_grad=True), comm)
-    with pytest.raises(TypeError, match="an nn.Module or an iterable of parameters, got int"):
+    with pytest.raises(TypeError, match=r"an nn\.Module or an iterable of parameters, got int"):
         GradientReducer(42, comm)  # type: ignore[arg-type]
     comm.close()
 
