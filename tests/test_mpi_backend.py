@@ -94,12 +94,13 @@ def test_gloo_under_mpiexec_stalled_rank_ends_the_job() -> None:
     # The gloo rendezvous initialised MPI; without the abort hook rank 0 would time out, then
     # hang in MPI_Finalize at exit waiting for rank 1 (asleep for 600 s).
     start = time.monotonic()
-    proc = run_mpi(SCRIPTS / "mpi_backend_gloo_stall.py", 2, ["2"], timeout=60, check=False)
+    proc = run_mpi(SCRIPTS / "mpi_backend_timeout.py", 2, ["2", "gloo"], timeout=60, check=False)
     elapsed = time.monotonic() - start
     out = proc.stdout
     assert proc.returncode != 0, out
-    (line,) = _results(out, "gloo-timeout")
-    assert float(line.split("elapsed=")[1]) >= 2.0, line
+    (line,) = _results(out, "timeout")
+    assert "all_reduce #1 SUM bucket 0 of 8 torch.float32" in line and "gloo" in line, line
+    assert float(re.search(r"elapsed=([0-9.]+)", line).group(1)) >= 2.0, line  # type: ignore[union-attr]
     assert elapsed < 40, (elapsed, out)  # the job ended long before rank 1 woke up
 
 
