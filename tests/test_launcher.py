@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gradcomm.comm import Launcher, LaunchInfo, detect_launch
+from gradcomm.comm.launcher import cpus_per_local_process
 
 # (id, environment, expected (rank, world_size, local_rank, local_world_size, launcher))
 CASES: list[tuple[str, dict[str, str], tuple[int, int, int, int, Launcher]]] = [
@@ -199,3 +200,14 @@ def test_malformed_values_raise_value_error(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         detect_launch(env, **kwargs)
+
+
+def test_cpus_per_local_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert cpus_per_local_process(2) == 2.0
+    assert cpus_per_local_process(8) == 0.5
+    monkeypatch.delattr("os.sched_getaffinity", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    assert cpus_per_local_process(3) == 2.0
+    with pytest.raises(ValueError, match="local_world_size"):
+        cpus_per_local_process(0)

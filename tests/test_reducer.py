@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
+from unittest.mock import PropertyMock, patch
 
 import pytest
 import torch
@@ -28,7 +30,12 @@ from torch.utils.checkpoint import checkpoint
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
-from gradcomm.hooks import GradientReducer, apply_gradient_allreduce, default_predivide_factor
+from gradcomm.hooks import (
+    GradientReducer,
+    apply_gradient_allreduce,
+    default_predivide_factor,
+    resolve_first_bucket_cap_mb,
+)
 
 
 def run_ranks(world_size: int, fn: Callable[[ThreadCommunicator], Any],
@@ -90,6 +97,32 @@ def test_overlap_equals_end_of_backward_bit_for_bit() -> None:
 
     for overlapped, at_end in run_ranks(3, fn):
         assert torch.equal(overlapped, at_end)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_view_mode_trains_bit_for_bit_like_copy_mode(set_to_none: bool) -> None:
+    # In view mode a fresh gradient is copied and pre-divided in one pass, one accumulated in
+    # place into its view is divided at launch; both must give the copy mode's values exactly.
+    def fn(comm: ThreadCommunicator) -> list[torch.Tensor]:
+        res = []
+        for view, overlap in ((False, False), (True, True), (True, False)):
+            model = eval_bn(make_model())
+            reducer = GradientReducer(model, comm, bucket_cap_mb=0.002,
+                                      first_bucket_cap_mb=0.0005, gradient_as_bucket_view=view,
+                                      overlap=overlap)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for step in range(3):
+                opt.zero_grad(set_to_none=set_to_none)
+                loss_fn(model, *batch(comm.rank, seed=step)).backward()
+                opt.step()
+            res.append(torch.cat([flat_grads(model)] + [p.detach().reshape(-1)
+                                                        for p in model.parameters()]))
+            reducer.remove()
+        return res
+
+    for copy_mode, *view_modes in run_ranks(2, fn):
+        for other in view_modes:
+            assert torch.equal(copy_mode, other)
 
 
 def test_buckets_launch_during_backward_in_index_order() -> None:
@@ -218,9 +251,10 @@ class _Checkpointed(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("view", [False, True])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_activation_checkpointing(reentrant: bool, where: str) -> None:
+def test_activation_checkpointing(reentrant: bool, where: str, view: bool) -> None:
     ws = 2
 
     def data(rank: int) -> torch.Tensor:
@@ -233,7 +267,8 @@ def test_activation_checkpointing(reentrant: bool, where: str) -> None:
 
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
         model = _Checkpointed(reentrant, where)
-        GradientReducer(model, comm, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+        GradientReducer(model, comm, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4,
+                        gradient_as_bucket_view=view)
         xl = data(comm.rank).requires_grad_(reentrant)  # reentrant needs an input requiring grad
         model(xl).pow(2).mean().backward()
         return grads_of(model)
@@ -243,7 +278,8 @@ def test_activation_checkpointing(reentrant: bool, where: str) -> None:
     assert_identical(out)
 
 
-def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right() -> None:
+@pytest.mark.parametrize("view", [False, True])
+def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right(view: bool) -> None:
     class Shared(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -262,7 +298,7 @@ def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right() -> None
 
     def fn(comm: ThreadCommunicator) -> Any:
         model = Shared()
-        GradientReducer(model, comm)
+        GradientReducer(model, comm, gradient_as_bucket_view=view)
         model(x[2 * comm.rank:2 * comm.rank + 2]).pow(2).mean().backward()
         return grads_of(model)
 
@@ -345,6 +381,34 @@ def test_view_mode_with_set_to_none_repoints_grads() -> None:
     assert run_ranks(2, fn) == [True, True]
 
 
+def test_view_mode_frees_the_separate_grad_when_its_bucket_is_sent() -> None:
+    # With set_to_none, backward hands each parameter a fresh gradient; once it is copied into
+    # the bucket and the bucket is sent, .grad must already be the view, so the fresh tensors of
+    # sent buckets are freed during backward (peak extra memory: about one bucket).
+    from gradcomm.hooks.comm_hooks import allreduce_hook
+
+    def fn(comm: ThreadCommunicator) -> list[bool]:
+        model = eval_bn(make_model())
+        seen: list[bool] = []
+
+        def hook(state: Any, bucket: Any) -> Any:
+            flat = bucket.buffer()
+            lo, hi = flat.data_ptr(), flat.data_ptr() + bucket.numel * flat.element_size()
+            seen.extend(p.grad is None or lo <= p.grad.data_ptr() < hi
+                        for p in bucket.parameters() if p.numel())
+            return allreduce_hook(state, bucket)
+
+        GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                        gradient_as_bucket_view=True, comm_hook=hook)
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            loss_fn(model, *batch(comm.rank, seed=step)).backward()
+        return seen
+
+    for seen in run_ranks(2, fn):
+        assert seen and all(seen)
+
+
 def test_channels_last_and_noncontiguous_grads() -> None:
     ws = 2
     w0 = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(0))
@@ -374,6 +438,38 @@ def test_channels_last_and_noncontiguous_grads() -> None:
 
 
 # ---------------------------------------------------------------------------- construction
+@pytest.mark.parametrize(("progress", "want_first", "want_buckets"), [(True, 1.0, 2), (False, 25.0, 1)])
+def test_first_bucket_cap_follows_background_progress(
+    progress: bool, want_first: float, want_buckets: int
+) -> None:
+    # Two weights of 1.4 MiB: split by a 1 MiB first bucket, one bucket under 25 MiB.
+    def fn(comm: ThreadCommunicator) -> tuple[float, int]:
+        with seeded(0):
+            model = nn.Sequential(nn.Linear(600, 600), nn.Linear(600, 600))
+        reducer = GradientReducer(model, comm)
+        return reducer.first_bucket_cap_mb, len(reducer.buckets)
+
+    with patch.object(ThreadCommunicator, "background_progress", new_callable=PropertyMock,
+                      return_value=progress):
+        assert run_ranks(2, fn) == [(want_first, want_buckets)] * 2
+
+
+def test_resolve_first_bucket_cap_mb_explicit_value_wins() -> None:
+    for progress in (True, False):
+        comm = cast(Any, SimpleNamespace(background_progress=progress))
+        assert resolve_first_bucket_cap_mb(4.0, 25.0, comm) == 4.0
+        assert resolve_first_bucket_cap_mb(None, 8.0, comm) == (1.0 if progress else 8.0)
+
+
+def test_bucket_options_that_differ_across_ranks_raise_on_every_rank() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        GradientReducer(make_model(), comm, first_bucket_cap_mb=1.0 + comm.rank)
+        return None
+
+    for r in run_ranks(2, fn):
+        assert isinstance(r, ValueError) and "first_bucket_cap_mb" in str(r), r
+
+
 def test_construction_broadcasts_params_and_buffers_keeping_dtypes() -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         model = make_model(seed=comm.rank)

@@ -131,6 +131,19 @@ class Communicator(abc.ABC):
         """True after :meth:`close`."""
         return self._closed
 
+    @property
+    def background_progress(self) -> bool:
+        """Whether a collective started with ``async_op=True`` advances while the caller computes.
+
+        True when the transport moves data on its own -- a device stream (NCCL), or a transport
+        thread with a CPU core to itself (gloo with >= 2 cores per process on the host) -- and False
+        when it advances only inside calls into it (MPI without an asynchronous progress thread) or
+        its thread must share the training thread's only core. Only then can overlapping the
+        all-reduce with backward hide its time; :class:`~gradcomm.GradientReducer` picks its first
+        bucket size from it. This base implementation returns False.
+        """
+        return False
+
     # ------------------------------------------------------------------ capability
     @abc.abstractmethod
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:

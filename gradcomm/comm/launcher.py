@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Launcher", "LaunchInfo", "detect_launch"]
+__all__ = ["Launcher", "LaunchInfo", "cpus_per_local_process", "detect_launch"]
 
 
 class Launcher(enum.Enum):
@@ -174,3 +174,21 @@ def detect_launch(
         0, 1, 0 if local_rank is None else local_rank,
         1 if local_world_size is None else local_world_size, Launcher.SINGLE,
     )
+
+
+def cpus_per_local_process(local_world_size: int) -> float:
+    """CPU cores this process may run on, divided by the number of processes on this host.
+
+    The cores are those of the process's affinity mask (``os.sched_getaffinity``; a launcher that
+    binds each rank to one core makes this 1 / local_world_size), or ``os.cpu_count()`` where the
+    platform has no affinity call. Backends use it to tell whether a transport thread has a core of
+    its own to run on while the training thread computes.
+
+    Raises:
+        ValueError: ``local_world_size < 1``.
+    """
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    cores = len(getaffinity(0)) if getaffinity is not None else (os.cpu_count() or 1)
+    return cores / local_world_size

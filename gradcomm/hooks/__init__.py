@@ -17,13 +17,20 @@ from .comm_hooks import (
     fp16_compress_wrapper,
     resolve_comm_hook,
 )
-from .reducer import BucketInfo, GradientReducer, apply_gradient_allreduce, default_predivide_factor
+from .reducer import (
+    BucketInfo,
+    GradientReducer,
+    apply_gradient_allreduce,
+    default_predivide_factor,
+    resolve_first_bucket_cap_mb,
+)
 
 __all__ = [
     "GradientReducer",
     "BucketInfo",
     "apply_gradient_allreduce",
     "default_predivide_factor",
+    "resolve_first_bucket_cap_mb",
     "CommHook",
     "CommHookFn",
     "GradBucket",

@@ -76,7 +76,8 @@ def check_fingerprint(comm: Communicator, entries: Sequence[str]) -> None:
     shown = "; ".join(f"rank {r}: {texts[r]!r} ({counts[r]} entries)" for r in [0, *differing])
     raise ValueError(
         f"the model differs across ranks (checked before any other collective): first difference "
-        f"at entry #{first} (name shape dtype): {shown}. Build the same model on every rank."
+        f"at entry #{first} (name shape dtype, or the reducer's options): {shown}. Build the same "
+        "model, with the same options, on every rank."
     )
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "BucketInfo",
     "apply_gradient_allreduce",
     "default_predivide_factor",
+    "resolve_first_bucket_cap_mb",
 ]
 
 logger = logging.getLogger("gradcomm.hooks")
@@ -94,6 +95,25 @@ def default_predivide_factor(world_size: int, dtype: torch.dtype) -> float:
     if dtype in _HALF:
         return float(2 ** max(1, int(math.log2(world_size)) // 2))
     return float(world_size)
+
+
+def resolve_first_bucket_cap_mb(
+    first_bucket_cap_mb: float | None, bucket_cap_mb: float, comm: Communicator
+) -> float:
+    """The cap of bucket 0 in MiB: ``first_bucket_cap_mb``, or when it is None, chosen for ``comm``.
+
+    A small first bucket (DDP's 1 MiB) lets the first all-reduce start early in backward; that pays
+    only when the transport moves data while backward computes
+    (:attr:`Communicator.background_progress`: NCCL's stream, gloo with a spare core per process).
+    Otherwise -- MPI without a progress thread, which advances only inside our polls, or 2 ranks on
+    2 cores, where gloo's thread competes with backward for the core -- overlap hides nothing and
+    splitting costs: fewer, larger collectives are cheaper, so bucket 0 gets ``bucket_cap_mb``.
+    Measured on 2 ranks of a 2-core machine, MLP of 3.2M parameters (README, Performance): one
+    12 MiB bucket instead of 1 MiB-then-rest cut the step by about 5 % on gloo and on mpi.
+    """
+    if first_bucket_cap_mb is not None:
+        return float(first_bucket_cap_mb)
+    return 1.0 if comm.background_progress else float(bucket_cap_mb)
 
 
 @dataclass(frozen=True)
@@ -218,8 +238,10 @@ class GradientReducer:
             parameters are reduced once, frozen ones (``requires_grad=False``) are skipped.
         comm: the communicator; None calls :func:`gradcomm.init`.
         bucket_cap_mb: cap of each bucket in MiB (2**20 bytes) of gradients (DDP's default 25).
-        first_bucket_cap_mb: cap of bucket 0 in MiB (DDP's 1): small, so the first all-reduce starts
-            early in the backward pass.
+        first_bucket_cap_mb: cap of bucket 0 in MiB. None (default): see
+            :func:`resolve_first_bucket_cap_mb` -- DDP's 1 MiB, so the first all-reduce starts
+            early in the backward pass, when the transport progresses in the background, else
+            ``bucket_cap_mb``. Ranks must resolve it alike (checked with the model).
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket (strides as the
             parameter's), so no gradient is copied in or out and no memory beyond the buckets is
             used; ``optimizer.zero_grad(set_to_none=False)`` keeps the views (with set_to_none the
@@ -256,7 +278,7 @@ class GradientReducer:
         comm: Communicator | None = None,
         *,
         bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
+        first_bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = False,
         comm_hook: CommHook | str | CommHookFn = CommHook.ALLREDUCE,
@@ -266,6 +288,8 @@ class GradientReducer:
     ) -> None:
         for name, cap in (("bucket_cap_mb", bucket_cap_mb),
                           ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if cap is None and name == "first_bucket_cap_mb":
+                continue
             if isinstance(cap, bool) or not isinstance(cap, (int, float)):
                 raise TypeError(f"{name} must be a number of MiB, got {type(cap).__name__}")
             if not math.isfinite(cap) or cap <= 0:
@@ -320,13 +344,19 @@ class GradientReducer:
         entries = [f"param {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
                    for n, p in named]
         entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
+        # The bucket layout decides which collectives run, so ranks must agree on it too (the
+        # automatic first cap follows each rank's own background_progress).
+        first_cap = resolve_first_bucket_cap_mb(first_bucket_cap_mb, bucket_cap_mb, comm)
+        self._first_bucket_cap_mb = first_cap
+        entries.append(f"GradientReducer option bucket_cap_mb={float(bucket_cap_mb)} "
+                       f"first_bucket_cap_mb={first_cap} "
+                       f"gradient_predivide_factor={gradient_predivide_factor}")
         check_fingerprint(comm, entries)
         if broadcast_parameters:
             broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
 
         # ---- buckets
-        groups = _assign_buckets(trainable, int(bucket_cap_mb * _MIB),
-                                 int(first_bucket_cap_mb * _MIB))
+        groups = _assign_buckets(trainable, int(bucket_cap_mb * _MIB), int(first_cap * _MIB))
         self._buckets = [_Bucket(i, g) for i, g in enumerate(groups)]
         self._loc: list[tuple[int, int]] = [(0, 0)] * len(self._params)
         for b in self._buckets:
@@ -378,6 +408,11 @@ class GradientReducer:
     def buckets(self) -> tuple[BucketInfo, ...]:
         """One :class:`BucketInfo` per bucket, in launch order."""
         return tuple(b.info() for b in self._buckets)
+
+    @property
+    def first_bucket_cap_mb(self) -> float:
+        """The cap of bucket 0 in MiB in use (see :func:`resolve_first_bucket_cap_mb`)."""
+        return self._first_bucket_cap_mb
 
     @property
     def parameter_names(self) -> tuple[str, ...]:

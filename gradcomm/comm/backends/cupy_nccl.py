@@ -257,6 +257,11 @@ class CupyNCCLCommunicator(Communicator):
         return pickle.loads(store.get("nccl_unique_id"))
 
     # ------------------------------------------------------------------ capability
+    @property
+    def background_progress(self) -> bool:
+        """True: NCCL kernels run on their own CUDA stream while backward computes."""
+        return True
+
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
         dev = self.device if device is None else torch.device(device)
         support = nccl_support(dtype, dev, self.backend)

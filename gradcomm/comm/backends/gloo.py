@@ -21,7 +21,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ..launcher import LaunchInfo
+from ..launcher import LaunchInfo, cpus_per_local_process
 from ..types import Support, SupportLevel
 from .torch_dist import TorchDistCommunicator
 
@@ -60,6 +60,11 @@ class GlooCommunicator(TorchDistCommunicator):
             store, launch.rank, launch.world_size, datetime.timedelta(seconds=seconds)
         )
         return group  # type: ignore[return-value]  # stubs say Backend; the methods are the same
+
+    @property
+    def background_progress(self) -> bool:
+        """True when each process on this host has >= 2 CPU cores: one for gloo's worker thread."""
+        return cpus_per_local_process(self.launch.local_world_size) >= 2
 
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
         dev = self.device if device is None else torch.device(device)

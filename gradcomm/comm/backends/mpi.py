@@ -66,7 +66,7 @@ import torch
 
 from ..communicator import Communicator
 from ..errors import BackendUnavailableError
-from ..launcher import Launcher, LaunchInfo
+from ..launcher import Launcher, LaunchInfo, cpus_per_local_process
 from ..mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import Work
@@ -378,6 +378,20 @@ class MPICommunicator(Communicator):
         if self._comm is None:
             raise RuntimeError("mpi communicator is closed")
         return self._comm
+
+    @property
+    def background_progress(self) -> bool:
+        """True only with an asynchronous progress thread and >= 2 CPU cores per process.
+
+        Without one, a non-blocking MPI collective advances only inside MPI calls (our polls), so
+        overlapping it with backward cannot hide its time. The thread is MPICH's
+        ``MPIR_CVAR_ASYNC_PROGRESS=1`` (alias ``MPICH_ASYNC_PROGRESS``) or Intel MPI's
+        ``I_MPI_ASYNC_PROGRESS=1``, read from the environment; it needs a core of its own.
+        """
+        names = ("MPIR_CVAR_ASYNC_PROGRESS", "MPICH_ASYNC_PROGRESS", "I_MPI_ASYNC_PROGRESS")
+        thread = any(os.environ.get(n, "").strip().lower() in ("1", "yes", "true", "on")
+                     for n in names)
+        return thread and cpus_per_local_process(self.launch.local_world_size) >= 2
 
     @property
     def cuda_aware(self) -> bool:

@@ -179,6 +179,11 @@ class NCCLCommunicator(TorchDistCommunicator):
         group = dist.ProcessGroupNCCL(store, launch.rank, launch.world_size, opts)
         return group  # type: ignore[return-value]  # a Backend: the methods used are the same
 
+    @property
+    def background_progress(self) -> bool:
+        """True: NCCL kernels run on their own CUDA stream while backward computes."""
+        return True
+
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
         dev = self.device if device is None else torch.device(device)
         return nccl_support(dtype, dev, self.backend)

@@ -125,6 +125,11 @@ class ThreadCommunicator(Communicator):
         self.group = group
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"gradcomm-thread-rank{rank}")
 
+    @property
+    def background_progress(self) -> bool:
+        """True: each rank's collectives run on a worker thread of their own."""
+        return True
+
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
         dev = self.device if device is None else torch.device(device)
         if dev.type != "cpu":
