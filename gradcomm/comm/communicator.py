@@ -97,6 +97,9 @@ class Communicator(abc.ABC):
         self._timeout = timeout
         self._closed = False
         self._seq = itertools.count()
+        # Per (dtype, device) of the tensors seen: their Support and the tail of their
+        # descriptions, so a collective's checks and its error-message text cost one dict lookup.
+        self._tensor_kinds: dict[tuple[torch.dtype, torch.device], tuple[Support, str]] = {}
         #: Optional :class:`CollectiveObserver` told of every collective (None: off).
         self.profiler: CollectiveObserver | None = None
 
@@ -368,21 +371,28 @@ class Communicator(abc.ABC):
             raise TypeError(
                 f"{opname} expects a dense (strided) tensor, got layout {tensor.layout}"
             )
+        support = self._tensor_kind(tensor)[0]
         if tensor.device.type != self._device.type:
             raise ValueError(
                 f"{opname}: tensor is on {tensor.device}, but this {self.backend} communicator "
                 f"works on {self._device}"
             )
-        support = self.supports(tensor.dtype, tensor.device)
         if reduction and not support.is_supported:
             raise TypeError(f"{opname}: {support.reason}")
 
+    def _tensor_kind(self, tensor: torch.Tensor) -> tuple[Support, str]:
+        key = (tensor.dtype, tensor.device)
+        kind = self._tensor_kinds.get(key)
+        if kind is None:
+            tail = (f" {tensor.dtype} on {tensor.device} ({self.backend}, "
+                    f"rank {self._rank}/{self._world_size})")
+            kind = self._tensor_kinds[key] = (self.supports(*key), tail)
+        return kind
+
     def _describe(self, opname: str, tensor: torch.Tensor, extra: str) -> str:
         detail = f" {extra}" if extra else ""
-        return (
-            f"{opname} #{next(self._seq)}{detail} of {tensor.numel()} {tensor.dtype} on "
-            f"{tensor.device} ({self.backend}, rank {self._rank}/{self._world_size})"
-        )
+        tail = self._tensor_kind(tensor)[1]
+        return f"{opname} #{next(self._seq)}{detail} of {tensor.numel()}{tail}"
 
     @staticmethod
     def _finish(work: Work, async_op: bool) -> Work:
