@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from test_mpi_backend import _plain_python
 
-from dist_utils import require_mpi
 from gradcomm.comm import Launcher, LaunchInfo
 from gradcomm.comm.backends.gloo import GlooCommunicator
-from test_mpi_backend import _plain_python
+
+from dist_utils import require_mpi
 
 
 @pytest.mark.parametrize(("cores", "local_world_size", "want"),

@@ -438,7 +438,8 @@ def test_channels_last_and_noncontiguous_grads() -> None:
 
 
 # ---------------------------------------------------------------------------- construction
-@pytest.mark.parametrize(("progress", "want_first", "want_buckets"), [(True, 1.0, 2), (False, 25.0, 1)])
+@pytest.mark.parametrize(("progress", "want_first", "want_buckets"),
+                         [(True, 1.0, 2), (False, 25.0, 1)])
 def test_first_bucket_cap_follows_background_progress(
     progress: bool, want_first: float, want_buckets: int
 ) -> None:
