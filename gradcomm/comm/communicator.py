@@ -195,7 +195,7 @@ class Communicator(abc.ABC):
             if self.profiler is None
             else self.profiler.collective_started("all_reduce", buf, label, async_op)
         )
-        if op in self.native_reduce_ops:
+        if op is ReduceOp.SUM or op in self.native_reduce_ops:  # SUM first: no enum hashing
             work = self._all_reduce(buf, op, desc)
         elif op is ReduceOp.AVG:
             work = self._emulated_avg(buf, desc)

@@ -133,12 +133,12 @@ def warn_if_slow(comm: Communicator, dtype: torch.dtype, device: torch.device) -
     if key in _warned or comm.world_size == 1:
         return
     support = comm.supports(dtype, device)
-    if not support.is_slow:
-        return
     with _warned_lock:
         if key in _warned:
             return
-        _warned.add(key)
+        _warned.add(key)  # checked: a fast path is not looked up again either
+    if not support.is_slow:
+        return
     warnings.warn(
         f"gradcomm: {comm.backend} reduces {dtype} buckets on {device} through a slow path: "
         f"{support.reason}",

@@ -450,7 +450,7 @@ class MPICommunicator(Communicator):
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
         comm = self._live_comm()
-        flat = tensor.view(-1)
+        flat = tensor if tensor.dim() == 1 else tensor.view(-1)
         scratch: torch.Tensor | None = None
         if tensor.dtype in _HALF and self._half_user_op(op):
             wire = flat.view(torch.int16)
@@ -462,10 +462,16 @@ class MPICommunicator(Communicator):
                 wire.copy_(flat)
             else:
                 wire = flat
-            mpi_op = (_BOOL_OPS if wire.dtype == torch.bool else _MPI_OPS)[op]
+            if op is ReduceOp.SUM and wire.dtype != torch.bool:  # the gradient path: no lookup
+                mpi_op = MPI.SUM
+            else:
+                mpi_op = (_BOOL_OPS if wire.dtype == torch.bool else _MPI_OPS)[op]
             datatype = self._datatype(wire.dtype)
         buf, finish = self._prepare(wire)
         request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], mpi_op)
+        # One Test() at once: a peer already waiting gets this rank's first message now, not
+        # after the Python that wraps the request (MPI advances only inside MPI calls).
+        request.Test()
         work = self._work(request, description, (tensor, wire, buf))
         if finish is not None:
             work.add_callback(finish)
