@@ -1,7 +1,8 @@
 """Training-step time of gradcomm against torch DDP, the old end-of-backward algorithm, and no comm.
 
-One run times, on the same model, initial weights and data, one training step (zero_grad,
-forward, loss, backward with the gradient reduction, SGD step) for each variant:
+One run times, on the same model, initial weights and data, one training step (``zero_grad()``
+with torch's default ``set_to_none=True``, forward, loss, backward with the gradient reduction,
+SGD step) for each variant -- the same user code for every variant:
 
 * ``gradcomm+gloo`` / ``gradcomm+mpi``: :class:`gradcomm.GradientReducer` on ``gradcomm.init``'s
   gloo / mpi communicator (overlapped, bucketed all-reduce during backward).
@@ -18,6 +19,15 @@ period of a shared machine hits every variant alike. A step's time is the max ov
 table gives each variant's median and inter-quartile range (IQR) over its steps, and its ratio to
 DDP and to the old algorithm on the same backend as the median over rounds of the per-round
 ratio (paired, so load that drifts between rounds cancels); it then checks issue 3's targets.
+The ``faults`` column is the median number of minor page faults per step (max over ranks): glibc
+returns freed memory to the kernel and a later step faults it back in, about 1-2 us per fault,
+which moves a step by milliseconds when it happens. Which variant pays depends on how the six
+variants' allocations interleave in one process (a job that trains one model reaches a steady
+state: e.g. gradcomm+mpi alone on the MLP faults 0-1 times per step, interleaved ~1500), so by
+default (``--malloc retain``) the benchmark asks glibc to keep freed memory (``mallopt``:
+``M_TRIM_THRESHOLD`` 1 GiB, ``M_MMAP_THRESHOLD`` 32 MiB), as jemalloc or tcmalloc would, for every
+variant alike; ``--malloc glibc`` measures with glibc's defaults.
+Each gradcomm variant's bucket sizes and resolved first-bucket cap are printed under the table.
 
 Run (2 ranks on 2 cores; OMP_NUM_THREADS=1 per rank is set here if unset)::
 
@@ -39,6 +49,7 @@ import copy
 import datetime
 import json
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -132,6 +143,10 @@ class Variant:
         loss = F.cross_entropy(self.module(x), y)
         loss.backward()
         self.optimizer.step()
+
+    def layout(self) -> dict[str, Any] | None:
+        """How gradients are bucketed (gradcomm variants), for the report."""
+        return None
 
     def close(self) -> None:
         pass
@@ -236,12 +251,12 @@ class GradcommVariant(Variant):
         self.reducer = GradientReducer(model, self.comm, **self.options)
         return model
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        # With gradient_as_bucket_view the grads are views into the buckets: zero, don't free.
-        self.optimizer.zero_grad(set_to_none=not self.options.get("gradient_as_bucket_view"))
-        loss = F.cross_entropy(self.module(x), y)
-        loss.backward()
-        self.optimizer.step()
+    def layout(self) -> dict[str, Any]:
+        return {
+            "background_progress": self.comm.background_progress,
+            "first_bucket_cap_mb": self.reducer.first_bucket_cap_mb,
+            "bucket_mib": [round(b.nbytes / 2**20, 3) for b in self.reducer.buckets],
+        }
 
     def close(self) -> None:
         self.reducer.remove()
@@ -263,6 +278,25 @@ def build_variant(name: str, base: nn.Module, lr: float, options: dict[str, Any]
 
 
 # ----------------------------------------------------------------------------- measurement
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+
+
+def retain_freed_memory() -> bool:
+    """Ask glibc malloc to keep freed memory in the process (see the module docstring).
+
+    Returns False (nothing changed) where the C library has no ``mallopt`` (not glibc).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, 2**30)) and bool(mallopt(_M_MMAP_THRESHOLD, 2**25))
+
+
 def init_default_group(mpi_comm: Any) -> None:
     """torch's default gloo process group for DDP and old+gloo; rank 0 broadcasts the port."""
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
@@ -306,25 +340,32 @@ def bench_model(
     variants = {name: build_variant(name, base, args.lr, options) for name in variant_names}
     step_index = {name: 0 for name in variant_names}
 
-    def run(name: str, steps: int, times: list[float] | None) -> None:
+    def run(name: str, steps: int, times: list[float] | None,
+            faults: list[int] | None = None) -> None:
         v = variants[name]
         for _ in range(steps):
             x, y = batches[step_index[name] % len(batches)]
             step_index[name] += 1
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             v.step(x, y)
             if times is not None:
                 times.append(time.perf_counter() - t0)
+            if faults is not None:
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
     for name in variant_names:  # warm-up
         mpi_comm.Barrier()
         run(name, args.warmup, None)
     local: dict[str, list[float]] = {name: [] for name in variant_names}
+    faults: dict[str, list[int]] = {name: [] for name in variant_names}
     for order in rotations(list(variant_names), args.steps):
         for name in order:
             mpi_comm.Barrier()
-            run(name, 1, local[name])
+            run(name, 1, local[name], faults[name])
     gathered = mpi_comm.gather(local, root=0)
+    gathered_faults = mpi_comm.gather(faults, root=0)
+    layouts = {name: v.layout() for name, v in variants.items()}
 
     # Every variant did the same steps on the same data: the distributed ones must agree.
     digests = {name: param_digest(v.model) for name, v in variants.items()}
@@ -351,8 +392,11 @@ def bench_model(
         refs = {"ddp": "ddp", "old": f"old+{backend}" if name.startswith("gradcomm+") else ""}
         paired = {key: (statistics.median(a / b for a, b in zip(per_step, job[ref], strict=True))
                         if ref in job else None) for key, ref in refs.items()}
+        step_faults = [max(g[name][i] for g in gathered_faults) for i in range(len(per_step))]
         out["variants"][name] = {
             "median_ms": med * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
+            "page_faults_per_step": statistics.median(step_faults),
+            "buckets": layouts[name],
             "iqr_ms": (q3 - q1) * 1e3, "steps": len(per_step),
             "step_ms": [t * 1e3 for t in per_step],
             "param_spread_across_ranks": spread[name],
@@ -380,7 +424,7 @@ def table(result: dict[str, Any]) -> list[str]:
         f"model {result['model']} ({result['params'] / 1e6:.2f}M params)",
         "  (x ddp, x old: median over rounds of the paired per-round ratio)",
         f"  {'variant':<15} {'median ms':>10} {'IQR ms':>8} {'x ddp':>7} {'x old':>7}"
-        f" {'rank spread':>12} {'vs ddp':>9}",
+        f" {'rank spread':>12} {'vs ddp':>9} {'faults':>7}",
     ]
     for name, v in result["variants"].items():
         backend = name.split("+", 1)[1] if "+" in name else ""
@@ -392,7 +436,15 @@ def table(result: dict[str, Any]) -> list[str]:
             f"{'' if x_ddp is None else f'{x_ddp:.3f}':>7} "
             f"{'' if x_old is None else f'{x_old:.3f}':>7} "
             f"{v['param_spread_across_ranks']:>12.1e} {'' if diff is None else f'{diff:.1e}':>9}"
+            f" {v.get('page_faults_per_step', 0):>7.0f}"
         )
+    for name, v in result["variants"].items():
+        lay = v.get("buckets")
+        if lay:
+            lines.append(
+                f"  {name}: buckets {lay['bucket_mib']} MiB (first cap {lay['first_bucket_cap_mb']}"
+                f" MiB; background_progress={lay['background_progress']})"
+            )
     return lines
 
 
@@ -426,8 +478,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradcomm bucket cap (MiB)")
+    p.add_argument("--first-bucket-cap-mb", type=float, default=None,
+                   help="gradcomm cap of bucket 0 (MiB); default: the reducer's choice (1 MiB "
+                        "if the transport progresses in the background, else the bucket cap)")
     p.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
                    default=True, help="gradcomm: grads are views into the buckets (default on)")
+    p.add_argument("--malloc", choices=("retain", "glibc"), default="retain",
+                   help="retain: glibc keeps freed memory, so page faults from heap trimming do "
+                        "not land on whichever variant runs next (default); glibc: its defaults")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON file (default benchmarks/results/step_time_<n>ranks.json)")
     args = p.parse_args(argv)
@@ -452,8 +510,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if v not in VARIANTS:
             raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     options = {"bucket_cap_mb": args.bucket_cap_mb,
+               "first_bucket_cap_mb": args.first_bucket_cap_mb,
                "gradient_as_bucket_view": args.gradient_as_bucket_view}
+    malloc = args.malloc
+    if malloc == "retain" and not retain_freed_memory():
+        malloc = "glibc (mallopt unavailable)"
     init_default_group(mpi_comm)
+    if rank == 0:
+        print(f"{size} ranks, malloc: {malloc}, gradcomm options: {options}", flush=True)
     load_start = os.getloadavg()
     results = []
     for model in models:
@@ -474,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "world_size": size, "host": platform.node(), "cpu_count": os.cpu_count(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                 "torch": torch.__version__, "steps": args.steps,
-                "warmup": args.warmup, "gradcomm_options": options,
+                "warmup": args.warmup, "gradcomm_options": options, "malloc": malloc,
                 "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                 "step": "max over ranks of zero_grad+forward+loss+backward(+reduce)+SGD step",
             },
