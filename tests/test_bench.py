@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -348,3 +350,31 @@ def test_old_algorithm_averages_once_after_backward() -> None:
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_retain_freed_memory_keeps_freed_pages_in_the_process() -> None:
+    # In a child process (mallopt changes the whole process): free a 20 MiB tensor and see
+    # whether its pages leave the process. glibc's defaults hand them back to the kernel at once
+    # (a later step would fault them in again); the benchmark's setting keeps them.
+    script = (
+        "import os, sys, torch\n"
+        f"sys.path.insert(0, {str(REPO_ROOT / 'benchmarks')!r})\n"
+        "import step_time\n"
+        "ok = step_time.retain_freed_memory() if sys.argv[1] == 'retain' else True\n"
+        "def resident():\n"
+        "    return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
+        "x = torch.ones(5 * 2**20)\n"
+        "before = resident()\n"
+        "del x\n"
+        "print('RESULT', ok, (before - resident()) // 2**20)\n"
+    )
+    released = {}
+    for mode in ("retain", "glibc"):
+        proc = subprocess.run([sys.executable, "-c", script, mode], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr
+        ok, mib = proc.stdout.split("RESULT ")[1].split()
+        assert ok == "True"
+        released[mode] = int(mib)
+    assert released["retain"] < 2 and released["glibc"] >= 18, released
