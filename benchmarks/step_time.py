@@ -6,9 +6,9 @@ SGD step) for each variant -- the same user code for every variant:
 
 * ``gradcomm+gloo`` / ``gradcomm+mpi``: :class:`gradcomm.GradientReducer` on ``gradcomm.init``'s
   gloo / mpi communicator (overlapped, bucketed all-reduce during backward).
-* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo default process group.
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group of its own.
 * ``old+gloo`` / ``old+mpi``: NVIDIA tacotron2's ``apply_gradient_allreduce`` (reimplemented
-  below): per-parameter hooks only queue one callback, which after backward flattens all grads of
+  below; gloo: a process group of its own): per-parameter hooks only queue one callback, which after backward flattens all grads of
   each dtype into a new buffer, all-reduces it (``torch.distributed.all_reduce`` on gloo, or
   mpi4py's ``Allreduce`` in place), divides by the world size and copies back.
 * ``local``: every rank computes its own step with no communication (the compute floor).
@@ -157,7 +157,11 @@ class DDPVariant(Variant):
     backend = "gloo"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+        # A gloo group of its own, as gradcomm+gloo has: each variant's connections and worker
+        # threads then sit idle equally long between its steps.
+        self.group = dist.new_group(backend="gloo")
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25,
+                                                   process_group=self.group)
 
 
 class OldAlgorithm:
@@ -213,7 +217,9 @@ class OldGlooVariant(Variant):
     backend = "gloo"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        OldAlgorithm(model, lambda t: dist.all_reduce(t), dist.get_world_size())
+        self.group = dist.new_group(backend="gloo")  # its own, as every other variant has
+        OldAlgorithm(model, lambda t: dist.all_reduce(t, group=self.group),
+                     dist.get_world_size())
         return model
 
 
