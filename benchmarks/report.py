@@ -23,17 +23,20 @@ def step_time_tables(doc: dict[str, Any]) -> list[str]:
     lines = [
         f"`{meta['command']}` ({meta['world_size']} ranks, {meta['cpu_count']} CPUs, "
         f"{meta['date_utc']}, 1-min load average {_f(load[0], 1)} at start, "
-        f"{_f(load[1], 1)} at end; {meta['steps']} interleaved timed steps per variant)",
+        f"{_f(load[1], 1)} at end; {meta['steps']} interleaved timed steps per variant; "
+        f"malloc: {meta.get('malloc', 'glibc')})",
         "",
-        "| model | variant | median ms | IQR ms | x DDP | x old (same backend) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | variant | median ms | IQR ms | x DDP | x old (same backend) "
+        "| page faults/step |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for res in doc["results"]:
         label = f"{res['model']} ({res['params'] / 1e6:.2f}M)"
         for name, v in res["variants"].items():
             lines.append(
                 f"| {label} | {name} | {v['median_ms']:.1f} | {v['iqr_ms']:.1f} | "
-                f"{_f(v.get('x_ddp'), 3)} | {_f(v.get('x_old'), 3)} |"
+                f"{_f(v.get('x_ddp'), 3)} | {_f(v.get('x_old'), 3)} | "
+                f"{_f(v.get('page_faults_per_step'), 0)} |"
             )
             label = ""
     if doc.get("targets"):

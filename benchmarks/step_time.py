@@ -8,9 +8,10 @@ SGD step) for each variant -- the same user code for every variant:
   gloo / mpi communicator (overlapped, bucketed all-reduce during backward).
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group of its own.
 * ``old+gloo`` / ``old+mpi``: NVIDIA tacotron2's ``apply_gradient_allreduce`` (reimplemented
-  below; gloo: a process group of its own): per-parameter hooks only queue one callback, which after backward flattens all grads of
-  each dtype into a new buffer, all-reduces it (``torch.distributed.all_reduce`` on gloo, or
-  mpi4py's ``Allreduce`` in place), divides by the world size and copies back.
+  below; gloo: a process group of its own): per-parameter hooks only queue one callback, which
+  after backward flattens all grads of each dtype into a new buffer, all-reduces it
+  (``torch.distributed.all_reduce`` on gloo, or mpi4py's ``Allreduce`` in place), divides by the
+  world size and copies back.
 * ``local``: every rank computes its own step with no communication (the compute floor).
 
 Variants are interleaved step by step: after ``--warmup`` untimed steps each, round ``i`` of
