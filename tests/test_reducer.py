@@ -309,6 +309,42 @@ def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right(view: boo
             assert grads_close(r, ref, rtol=1e-5) == []  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("view", [False, True])
+def test_gradient_accumulated_twice_before_its_bucket_is_sent(view: bool) -> None:
+    # `a` is used in a reentrant checkpoint and outside it: its gradient is accumulated twice,
+    # and `b` (same bucket, gradient last) keeps the bucket from being sent in between. View
+    # mode must add the second part (divided) to the slot, not lose it or divide it twice.
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with seeded(0):
+                self.b = nn.Linear(4, 4)
+                self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(self.b(x))
+            return checkpoint(self.a, torch.tanh(h), use_reentrant=True)
+
+    ws = 2
+    ref_model = Twice()
+    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(0))
+    ref_model(x).pow(2).mean().backward()
+    ref = grads_of(ref_model)
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = Twice()
+        reducer = GradientReducer(model, comm, gradient_as_bucket_view=view)
+        assert len(reducer.buckets) == 1
+        for _ in range(2):  # the second step accumulates into existing views (set_to_none=False)
+            model.zero_grad(set_to_none=_ == 0)
+            model(x[2 * comm.rank:2 * comm.rank + 2]).pow(2).mean().backward()
+            got = grads_of(model)
+            assert grads_close(got, ref, rtol=1e-6) == []
+        return got
+
+    assert_identical(run_ranks(ws, fn))
+
+
 def test_tied_weights_reduced_once() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:

@@ -56,6 +56,10 @@ logger = logging.getLogger("gradcomm.hooks")
 
 _MIB = 2**20
 _HALF = (torch.float16, torch.bfloat16)
+# What a bucket slot holds in this backward (gradient_as_bucket_view): nothing yet; the gradient,
+# pre-divided, with param.grad None until the send; the gradient accumulated in place in the view
+# (param.grad is the view), divided at launch.
+_EMPTY, _DIVIDED, _IN_VIEW = 0, 1, 2
 
 
 def _queue_engine_callback(fn: Any) -> None:
@@ -171,6 +175,7 @@ class _Bucket:
             offset += p.numel()
         self.pending = len(self.params)
         self.present = [False] * len(self.params)  # this rank has a gradient (this backward)
+        self.slot_state = [_EMPTY] * len(self.params)  # gradient_as_bucket_view only
         self.work: Work | None = None
         self.grad_bucket: GradBucket | None = None
 
@@ -243,9 +248,11 @@ class GradientReducer:
             early in the backward pass, when the transport progresses in the background, else
             ``bucket_cap_mb``. Ranks must resolve it alike (checked with the model).
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket (strides as the
-            parameter's), so no gradient is copied in or out and no memory beyond the buckets is
-            used; ``optimizer.zero_grad(set_to_none=False)`` keeps the views (with set_to_none the
-            next backward copies the fresh gradient in once and re-points ``grad`` at the view).
+            parameter's), so no gradient is copied out and no memory beyond the buckets is used.
+            With ``optimizer.zero_grad(set_to_none=False)`` backward accumulates into the views in
+            place; with ``set_to_none=True`` (torch's default) each fresh gradient is copied in and
+            pre-divided in one pass and freed, ``param.grad`` reads None until its bucket is sent
+            during backward, then is the view.
         broadcast_buffers: also broadcast the module's buffers from rank 0 before every forward.
         comm_hook: how a bucket is summed: a :class:`~gradcomm.hooks.CommHook`, its name
             (``"allreduce"``, ``"fp16_compress"``, ``"bf16_compress"``) or a callable
@@ -619,29 +626,65 @@ class GradientReducer:
             self._polled += 1
 
     def _stage(self, b: _Bucket, slot: int) -> None:
-        """Put one parameter's gradient into its bucket slot (DDP copies at hook time too)."""
+        """Put one parameter's pre-divided gradient into its bucket slot.
+
+        Copy mode: ``torch.div(grad, pre, out=view)``, one pass, as DDP's reducer does (a gradient
+        accumulated again before the bucket is sent is simply staged again).
+
+        ``gradient_as_bucket_view``: a gradient that already is the view (``zero_grad(set_to_none=
+        False)``: accumulated in place) is divided in place at launch. A fresh gradient is copied
+        and divided in one pass, and ``param.grad`` is set to None until the bucket is sent (then it
+        becomes the view): the fresh tensor is freed at once, and a gradient accumulated again
+        before the send (reentrant checkpointing) arrives as a new tensor that is added, divided,
+        to the slot instead of landing on an already divided view.
+        """
         p, v = b.params[slot], b.views[slot]
         g = p.grad
-        b.present[slot] = g is not None
+        pre = self._pre[b.index]
         with torch.no_grad():
-            if g is None:
-                v.zero_()  # no gradient on this rank counts as zeros
-            elif self._view:
-                if g is not v:
+            if not self._view:
+                b.present[slot] = g is not None
+                if g is None:
+                    v.zero_()  # no gradient on this rank counts as zeros
+                elif pre != 1.0:
+                    torch.div(g, pre, out=v)
+                else:
                     v.copy_(g)
-                    p.grad = v  # pre-divided with the whole bucket at launch
-            elif self._pre[b.index] != 1.0:
-                torch.div(g, self._pre[b.index], out=v)
+                return
+            if g is v:
+                b.present[slot], b.slot_state[slot] = True, _IN_VIEW
+            elif g is None:
+                if b.slot_state[slot] != _DIVIDED:
+                    b.present[slot], b.slot_state[slot] = False, _EMPTY
+                    v.zero_()  # no gradient on this rank counts as zeros
             else:
-                v.copy_(g)
+                if b.slot_state[slot] == _DIVIDED:  # accumulated again: add this part
+                    v.add_(torch.div(g, pre) if pre != 1.0 else g)
+                elif pre != 1.0:
+                    torch.div(g, pre, out=v)
+                else:
+                    v.copy_(g)
+                b.present[slot], b.slot_state[slot] = True, _DIVIDED
+                p.grad = None  # becomes the view when the bucket is sent
 
     def _launch(self, b: _Bucket) -> None:
         for slot in range(len(b.params)):
             if not self._ready[b.param_ids[slot]]:  # flushed at the end of backward
                 self._stage(b, slot)
         with torch.no_grad():
-            if self._view and self._pre[b.index] != 1.0:
-                b.data.div_(self._pre[b.index])
+            if self._view:
+                pre = self._pre[b.index]
+                state = b.slot_state
+                if pre != 1.0 and _IN_VIEW in state:
+                    if all(s == _IN_VIEW for s in state):
+                        b.data.div_(pre)  # one kernel for the whole bucket
+                    else:
+                        for slot, v in enumerate(b.views):
+                            if state[slot] == _IN_VIEW:
+                                v.div_(pre)
+                for slot, p in enumerate(b.params):
+                    if state[slot] == _DIVIDED:
+                        p.grad = b.views[slot]
             if all(b.present):
                 b.flags.fill_(1)
             else:
@@ -697,6 +740,7 @@ class GradientReducer:
         for b in self._buckets:
             b.pending = len(b.params)
             b.work = None
+            b.slot_state = [_EMPTY] * len(b.params)
         self._ready = [False] * len(self._params)
         self._next = 0
         self._polled = 0
