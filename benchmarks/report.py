@@ -39,6 +39,16 @@ def step_time_tables(doc: dict[str, Any]) -> list[str]:
                 f"{_f(v.get('page_faults_per_step'), 0)} |"
             )
             label = ""
+    layouts = [(res["model"], name, v["buckets"]) for res in doc["results"]
+               for name, v in res["variants"].items() if v.get("buckets")]
+    if layouts:
+        lines.append("")
+        for model, name, lay in layouts:
+            lines.append(
+                f"- {model}, {name}: buckets {lay['bucket_mib']} MiB (first cap "
+                f"{lay['first_bucket_cap_mb']} MiB; background_progress="
+                f"{lay['background_progress']})"
+            )
     if doc.get("targets"):
         lines += ["", "| target | measured | holds |", "|---|---:|---|"]
         for t in doc["targets"]:

@@ -49,8 +49,10 @@ import argparse
 import copy
 import datetime
 import json
+import math
 import platform
 import resource
+import shlex
 import statistics
 import sys
 import time
@@ -494,10 +496,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="retain: glibc keeps freed memory, so page faults from heap trimming do "
                         "not land on whichever variant runs next (default); glibc: its defaults")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON file (default benchmarks/results/step_time_<n>ranks.json)")
+                   help="JSON file (default benchmarks/results/step_time_<n>ranks_<malloc>.json, "
+                        "the files behind the README's tables)")
     args = p.parse_args(argv)
     if args.steps < 50:
         p.error("need --steps >= 50 timed steps")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    for flag, cap in (("--bucket-cap-mb", args.bucket_cap_mb),
+                      ("--first-bucket-cap-mb", args.first_bucket_cap_mb)):
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            p.error(f"{flag} must be a positive number of MiB, got {cap}")
+    for flag, text, known in (("--models", args.models, MODELS),
+                              ("--variants", args.variants, VARIANTS)):
+        chosen = [v.strip() for v in text.split(",") if v.strip()]
+        if not chosen:
+            p.error(f"{flag} names nothing; choose from {','.join(known)}")
+        unknown = [v for v in chosen if v not in known]
+        if unknown:
+            p.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; known: {','.join(known)}")
     return args
 
 
@@ -508,14 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     mpi_comm = MPI.COMM_WORLD
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]  # checked by parse_args
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"unknown model {m!r}; known: {', '.join(MODELS)}")
-    for v in names:
-        if v not in VARIANTS:
-            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     options = {"bucket_cap_mb": args.bucket_cap_mb,
                "first_bucket_cap_mb": args.first_bucket_cap_mb,
                "gradient_as_bucket_view": args.gradient_as_bucket_view}
@@ -539,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {'HOLDS ' if c['holds'] else 'MISSED'} {c['target']}: {c['ratio']:.3f}x")
         doc = {
             "meta": {
-                "command": " ".join(["mpiexec -n", str(size), "python", *sys.argv]),
+                "command": shlex.join(["mpiexec", "-n", str(size), "python", *sys.argv]),
                 "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"),
                 "world_size": size, "host": platform.node(), "cpu_count": os.cpu_count(),
@@ -552,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "results": results,
             "targets": checks,
         }
-        out = args.out or RESULTS_DIR / f"step_time_{size}ranks.json"
+        out = args.out or RESULTS_DIR / f"step_time_{size}ranks_{args.malloc}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {out}")

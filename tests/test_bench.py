@@ -378,3 +378,14 @@ def test_retain_freed_memory_keeps_freed_pages_in_the_process() -> None:
         assert ok == "True"
         released[mode] = int(mib)
     assert released["retain"] < 2 and released["glibc"] >= 18, released
+
+
+@pytest.mark.parametrize("argv", [
+    ["--models", ""], ["--models", ","], ["--models", "mlp,bogus"], ["--variants", "ddp,foo"],
+    ["--first-bucket-cap-mb", "0"], ["--bucket-cap-mb", "-1"], ["--steps", "10"],
+])
+def test_step_time_rejects_bad_arguments_before_starting(argv: list[str]) -> None:
+    st = _step_time_module()
+    with pytest.raises(SystemExit) as info:
+        st.parse_args(argv)  # type: ignore[attr-defined]
+    assert info.value.code == 2

@@ -505,6 +505,7 @@ def test_bucket_options_that_differ_across_ranks_raise_on_every_rank() -> None:
 
     for r in run_ranks(2, fn):
         assert isinstance(r, ValueError) and "first_bucket_cap_mb" in str(r), r
+        assert "explicitly, the same on every rank" in str(r)
 
 
 def test_construction_broadcasts_params_and_buffers_keeping_dtypes() -> None:
