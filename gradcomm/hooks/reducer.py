@@ -4,12 +4,14 @@ How one backward pass is reduced (the algorithm of torch DDP's reducer, in Pytho
 
 1. At construction, trainable parameters (tied ones once, frozen ones skipped) are grouped by
    (device, dtype) into buckets, filled in reverse registration order -- roughly the order backward
-   produces their gradients -- the first one capped at ``first_bucket_cap_mb``, the others at
-   ``bucket_cap_mb``. Each bucket owns one persistent flat buffer, allocated once.
-2. A post-accumulate-grad hook on each parameter marks it ready. When every parameter of the
-   lowest-index bucket not yet launched is ready, that bucket is pre-divided and its comm hook
-   (an async all-reduce by default) is started; buckets are launched strictly in index order, so
-   every rank issues the same collectives in the same order.
+   produces their gradients -- the first one capped at ``first_bucket_cap_mb`` (by default 1 MiB
+   only where the transport progresses in the background, see
+   :func:`resolve_first_bucket_cap_mb`), the others at ``bucket_cap_mb``. Each bucket owns one
+   persistent flat buffer, allocated once.
+2. A post-accumulate-grad hook on each parameter copies its gradient, pre-divided, into its slot
+   (one pass) and marks it ready. When every parameter of the lowest-index bucket not yet launched
+   is ready, that bucket's comm hook (an async all-reduce by default) is started; buckets are
+   launched strictly in index order, so every rank issues the same collectives in the same order.
 3. The first hook of a backward pass queues one end-of-backward callback on the autograd engine. It
    launches the remaining buckets (parameters with no gradient on this rank count as zeros), waits
    for every bucket in order, post-divides and writes the averages back, so ``optimizer.step()``
