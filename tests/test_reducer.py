@@ -278,32 +278,42 @@ def test_activation_checkpointing(reentrant: bool, where: str, view: bool) -> No
     assert_identical(out)
 
 
+class _SharedInCheckpoint(nn.Module):
+    """``a`` used outside and inside a reentrant checkpoint, so its gradient is accumulated twice
+    in one backward; with ``leading`` a layer ``b`` runs first, so its gradient comes last and
+    keeps the (single) bucket from being sent between the two accumulations."""
+
+    def __init__(self, leading: bool) -> None:
+        super().__init__()
+        with seeded(0):
+            self.b = nn.Linear(4, 4) if leading else nn.Identity()
+            self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(self.b(x))
+        return checkpoint(self.a, torch.tanh(h), use_reentrant=True)
+
+
+def _shared_in_checkpoint_reference(leading: bool, ws: int) -> tuple[torch.Tensor, Any]:
+    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(0))
+    ref_model = _SharedInCheckpoint(leading)
+    ref_model(x).pow(2).mean().backward()
+    return x, grads_of(ref_model)
+
+
 @pytest.mark.parametrize("view", [False, True])
 def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right(view: bool) -> None:
-    class Shared(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            with seeded(0):
-                self.a = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.a(x)
-            return checkpoint(self.a, torch.tanh(h), use_reentrant=True)
-
     ws = 2
-    ref_model = Shared()
-    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(0))
-    ref_model(x).pow(2).mean().backward()
-    ref = grads_of(ref_model)
+    x, ref = _shared_in_checkpoint_reference(leading=False, ws=ws)
 
     def fn(comm: ThreadCommunicator) -> Any:
-        model = Shared()
+        model = _SharedInCheckpoint(leading=False)
         GradientReducer(model, comm, gradient_as_bucket_view=view)
         model(x[2 * comm.rank:2 * comm.rank + 2]).pow(2).mean().backward()
         return grads_of(model)
 
     for r in run_ranks(ws, fn):
-        if isinstance(r, Exception):
+        if isinstance(r, Exception):  # the bucket was sent between the two accumulations
             assert isinstance(r, RuntimeError) and "accumulated again" in str(r)
         else:
             assert grads_close(r, ref, rtol=1e-5) == []  # type: ignore[arg-type]
@@ -311,32 +321,16 @@ def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right(view: boo
 
 @pytest.mark.parametrize("view", [False, True])
 def test_gradient_accumulated_twice_before_its_bucket_is_sent(view: bool) -> None:
-    # `a` is used in a reentrant checkpoint and outside it: its gradient is accumulated twice,
-    # and `b` (same bucket, gradient last) keeps the bucket from being sent in between. View
-    # mode must add the second part (divided) to the slot, not lose it or divide it twice.
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            with seeded(0):
-                self.b = nn.Linear(4, 4)
-                self.a = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.a(self.b(x))
-            return checkpoint(self.a, torch.tanh(h), use_reentrant=True)
-
+    # View mode must add the second part (divided) to the slot, not lose it or divide it twice.
     ws = 2
-    ref_model = Twice()
-    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(0))
-    ref_model(x).pow(2).mean().backward()
-    ref = grads_of(ref_model)
+    x, ref = _shared_in_checkpoint_reference(leading=True, ws=ws)
 
     def fn(comm: ThreadCommunicator) -> Any:
-        model = Twice()
+        model = _SharedInCheckpoint(leading=True)
         reducer = GradientReducer(model, comm, gradient_as_bucket_view=view)
         assert len(reducer.buckets) == 1
-        for _ in range(2):  # the second step accumulates into existing views (set_to_none=False)
-            model.zero_grad(set_to_none=_ == 0)
+        for step in range(2):  # the second step accumulates into existing views
+            model.zero_grad(set_to_none=step == 0)
             model(x[2 * comm.rank:2 * comm.rank + 2]).pow(2).mean().backward()
             got = grads_of(model)
             assert grads_close(got, ref, rtol=1e-6) == []
