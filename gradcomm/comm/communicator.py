@@ -371,12 +371,12 @@ class Communicator(abc.ABC):
             raise TypeError(
                 f"{opname} expects a dense (strided) tensor, got layout {tensor.layout}"
             )
-        support = self._tensor_kind(tensor)[0]
         if tensor.device.type != self._device.type:
             raise ValueError(
                 f"{opname}: tensor is on {tensor.device}, but this {self.backend} communicator "
                 f"works on {self._device}"
             )
+        support = self._tensor_kind(tensor)[0]
         if reduction and not support.is_supported:
             raise TypeError(f"{opname}: {support.reason}")
 

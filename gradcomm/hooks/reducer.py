@@ -655,30 +655,25 @@ class GradientReducer:
         p, v = b.params[slot], b.views[slot]
         g = p.grad
         pre = self._pre[b.index]
+        state = b.slot_state[slot]  # stays _EMPTY in copy mode
         with torch.no_grad():
-            if not self._view:
-                b.present[slot] = g is not None
-                if g is None:
-                    v.zero_()  # no gradient on this rank counts as zeros
-                elif pre != 1.0:
-                    torch.div(g, pre, out=v)
-                else:
-                    v.copy_(g)
-                return
-            if g is v:
-                b.present[slot], b.slot_state[slot] = True, _IN_VIEW
-            elif g is None:
-                if b.slot_state[slot] != _DIVIDED:
+            if g is None:
+                if state != _DIVIDED:  # a staged view-mode slot reads None until the send
                     b.present[slot], b.slot_state[slot] = False, _EMPTY
                     v.zero_()  # no gradient on this rank counts as zeros
+                return
+            b.present[slot] = True
+            if g is v:  # view mode, accumulated in place: divided at launch
+                b.slot_state[slot] = _IN_VIEW
+                return
+            if state == _DIVIDED:  # view mode, accumulated again before the send: add this part
+                v.add_(torch.div(g, pre) if pre != 1.0 else g)
+            elif pre != 1.0:
+                torch.div(g, pre, out=v)
             else:
-                if b.slot_state[slot] == _DIVIDED:  # accumulated again: add this part
-                    v.add_(torch.div(g, pre) if pre != 1.0 else g)
-                elif pre != 1.0:
-                    torch.div(g, pre, out=v)
-                else:
-                    v.copy_(g)
-                b.present[slot], b.slot_state[slot] = True, _DIVIDED
+                v.copy_(g)
+            if self._view:
+                b.slot_state[slot] = _DIVIDED
                 p.grad = None  # becomes the view when the bucket is sent
 
     def _launch(self, b: _Bucket) -> None:
