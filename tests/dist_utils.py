@@ -10,6 +10,7 @@ import functools
 import multiprocessing as mp
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -27,11 +28,35 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it hands to unbound sockets (Linux; IANA's range elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free now and that the kernel will not hand out meanwhile.
+
+    A port taken with ``bind(0)`` comes from the ephemeral range, where any socket that connects
+    (gloo's pairs, a TCPStore client) may be given it before rank 0 listens on it: CI once failed
+    with EADDRINUSE that way. Ports are therefore drawn at random below the ephemeral range and
+    probed by binding.
+    """
+    low, high = _ephemeral_range()
+    candidates = range(20000, low) if low > 21000 else range(high + 1, 65536)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(candidates)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found in {candidates}")
 
 
 def _child(
