@@ -578,12 +578,14 @@ class GradientReducer:
         if grad is not None and grad.layout is not torch.strided:
             raise TypeError(f"parameter {self._names[pid]} has a {grad.layout} gradient; "
                             "gradcomm reduces dense gradients only (use sparse=False)")
-        self._discard_if_stale()
+        # Runs once per parameter per backward: the checks of _discard_if_stale and _poll are
+        # inlined so that the common case calls nothing.
+        if self._epoch_active and self._token() is None:
+            self._discard_if_stale()
         if not self._epoch_active:
             self._begin_epoch()
-        bidx, _ = self._loc[pid]
+        bidx, slot = self._loc[pid]
         bucket = self._buckets[bidx]
-        slot = self._loc[pid][1]
         if self._ready[pid]:
             if bucket.work is not None:
                 self._abort_epoch()
@@ -606,7 +608,8 @@ class GradientReducer:
             except BaseException:
                 self._abort_epoch()
                 raise
-        self._poll()
+        if self._polled < self._next:
+            self._poll()
 
     def _begin_epoch(self) -> None:
         if not self._checked:
@@ -652,29 +655,31 @@ class GradientReducer:
         before the send (reentrant checkpointing) arrives as a new tensor that is added, divided,
         to the slot instead of landing on an already divided view.
         """
+        if torch.is_grad_enabled():  # backward(create_graph=True); otherwise autograd turned it off
+            with torch.no_grad():
+                return self._stage(b, slot)
         p, v = b.params[slot], b.views[slot]
         g = p.grad
         pre = self._pre[b.index]
         state = b.slot_state[slot]  # stays _EMPTY in copy mode
-        with torch.no_grad():
-            if g is None:
-                if state != _DIVIDED:  # a staged view-mode slot reads None until the send
-                    b.present[slot], b.slot_state[slot] = False, _EMPTY
-                    v.zero_()  # no gradient on this rank counts as zeros
-                return
-            b.present[slot] = True
-            if g is v:  # view mode, accumulated in place: divided at launch
-                b.slot_state[slot] = _IN_VIEW
-                return
-            if state == _DIVIDED:  # view mode, accumulated again before the send: add this part
-                v.add_(torch.div(g, pre) if pre != 1.0 else g)
-            elif pre != 1.0:
-                torch.div(g, pre, out=v)
-            else:
-                v.copy_(g)
-            if self._view:
-                b.slot_state[slot] = _DIVIDED
-                p.grad = None  # becomes the view when the bucket is sent
+        if g is None:
+            if state != _DIVIDED:  # a staged view-mode slot reads None until the send
+                b.present[slot], b.slot_state[slot] = False, _EMPTY
+                v.zero_()  # no gradient on this rank counts as zeros
+            return
+        b.present[slot] = True
+        if g is v:  # view mode, accumulated in place: divided at launch
+            b.slot_state[slot] = _IN_VIEW
+            return
+        if state == _DIVIDED:  # view mode, accumulated again before the send: add this part
+            v.add_(torch.div(g, pre) if pre != 1.0 else g)
+        elif pre != 1.0:
+            torch.div(g, pre, out=v)
+        else:
+            v.copy_(g)
+        if self._view:
+            b.slot_state[slot] = _DIVIDED
+            p.grad = None  # becomes the view when the bucket is sent
 
     def _launch(self, b: _Bucket) -> None:
         for slot in range(len(b.params)):
