@@ -180,7 +180,7 @@ class Communicator(abc.ABC):
         """
         op = ReduceOp.coerce(op)
         self._check_open()
-        self._check_tensor(tensor, "all_reduce")
+        tail = self._check_tensor(tensor, "all_reduce")
         if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(
                 f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; "
@@ -189,7 +189,8 @@ class Communicator(abc.ABC):
         if self._world_size == 1 or tensor.numel() == 0:
             return CompletedWork()
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        desc = self._describe("all_reduce", buf, op.name if label is None else f"{op.name} {label}")
+        desc = self._describe("all_reduce", buf, op.name if label is None else f"{op.name} {label}",
+                              tail)
         done = (
             None
             if self.profiler is None
@@ -234,7 +235,7 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         self._check_open()
-        self._check_tensor(tensor, "broadcast", reduction=False)
+        tail = self._check_tensor(tensor, "broadcast", reduction=False)
         if isinstance(src, bool) or not isinstance(src, int):
             raise TypeError(f"src must be an int rank, got {type(src).__name__}")
         if not 0 <= src < self._world_size:
@@ -247,7 +248,7 @@ class Communicator(abc.ABC):
             if self.profiler is None
             else self.profiler.collective_started("broadcast", buf, None, async_op)
         )
-        work = self._broadcast(buf, src, self._describe("broadcast", buf, f"src={src}"))
+        work = self._broadcast(buf, src, self._describe("broadcast", buf, f"src={src}", tail))
         if done is not None:
             work.add_callback(done)
         if buf is not tensor:
@@ -268,7 +269,7 @@ class Communicator(abc.ABC):
             ``world_size * input.numel()``, or wrong device. RuntimeError: closed.
         """
         self._check_open()
-        self._check_tensor(input, "all_gather", reduction=False)
+        tail = self._check_tensor(input, "all_gather", reduction=False)
         self._check_tensor(output, "all_gather", reduction=False)
         if output.dtype != input.dtype:
             raise TypeError(f"all_gather output dtype {output.dtype} != input dtype {input.dtype}")
@@ -291,7 +292,8 @@ class Communicator(abc.ABC):
             if self.profiler is None
             else self.profiler.collective_started("all_gather", out, None, async_op)
         )
-        work = self._all_gather(out.view(-1), src.view(-1), self._describe("all_gather", src, ""))
+        work = self._all_gather(out.view(-1), src.view(-1),
+                                self._describe("all_gather", src, "", tail))
         if done is not None:
             work.add_callback(done)
         if out is not output:
@@ -364,7 +366,8 @@ class Communicator(abc.ABC):
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
 
-    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> None:
+    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
+        """Raise on a tensor this communicator cannot take; return its description tail."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{opname} expects a torch.Tensor, got {type(tensor).__name__}")
         if tensor.layout is not torch.strided:
@@ -376,9 +379,10 @@ class Communicator(abc.ABC):
                 f"{opname}: tensor is on {tensor.device}, but this {self.backend} communicator "
                 f"works on {self._device}"
             )
-        support = self._tensor_kind(tensor)[0]
+        support, tail = self._tensor_kind(tensor)
         if reduction and not support.is_supported:
             raise TypeError(f"{opname}: {support.reason}")
+        return tail
 
     def _tensor_kind(self, tensor: torch.Tensor) -> tuple[Support, str]:
         key = (tensor.dtype, tensor.device)
@@ -389,9 +393,9 @@ class Communicator(abc.ABC):
             kind = self._tensor_kinds[key] = (self.supports(*key), tail)
         return kind
 
-    def _describe(self, opname: str, tensor: torch.Tensor, extra: str) -> str:
+    def _describe(self, opname: str, tensor: torch.Tensor, extra: str, tail: str) -> str:
+        """``tail``: what :meth:`_check_tensor` returned for the tensor (dtype, device, group)."""
         detail = f" {extra}" if extra else ""
-        tail = self._tensor_kind(tensor)[1]
         return f"{opname} #{next(self._seq)}{detail} of {tensor.numel()}{tail}"
 
     @staticmethod

@@ -271,10 +271,11 @@ class CupyNCCLCommunicator(Communicator):
             )
         return support
 
-    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> None:
-        super()._check_tensor(tensor, opname, reduction=reduction)
+    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
+        tail = super()._check_tensor(tensor, opname, reduction=reduction)
         if isinstance(tensor, torch.Tensor):  # always, after the base class's checks
             check_same_device(tensor, self.device, opname)
+        return tail
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:

@@ -188,8 +188,9 @@ class NCCLCommunicator(TorchDistCommunicator):
         dev = self.device if device is None else torch.device(device)
         return nccl_support(dtype, dev, self.backend)
 
-    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> None:
-        super()._check_tensor(tensor, opname, reduction=reduction)
+    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
+        tail = super()._check_tensor(tensor, opname, reduction=reduction)
         if isinstance(tensor, torch.Tensor):  # always, after the base class's checks
             check_same_device(tensor, self.device, opname)
+        return tail
 
