@@ -720,10 +720,12 @@ class GradientReducer:
                 try:
                     b.work.wait()
                 except CollectiveTimeoutError as exc:
+                    self._abort_epoch(wait=False)
                     raise CollectiveTimeoutError(f"reducing {b.label()}: {exc}") from exc
                 self._write_back(b)
         except BaseException:
-            self._abort_epoch()
+            if self._epoch_active:
+                self._abort_epoch()
             raise
         self._reset_epoch()
         observer = self._comm.profiler
@@ -761,14 +763,20 @@ class GradientReducer:
         self._epoch_active = False
         self._checked = False
 
-    def _abort_epoch(self) -> None:
-        # Wait for what was sent (every rank sent the same), so the next step starts clean.
-        for b in self._buckets[: self._next]:
-            if b.work is not None:
-                try:
-                    b.work.wait()
-                except Exception as exc:  # noqa: BLE001 - already failing; keep the first error
-                    logger.warning("GradientReducer: %s failed while aborting: %s", b.label(), exc)
+    def _abort_epoch(self, wait: bool = True) -> None:
+        # Wait for what was sent (every rank sent the same), so the next step starts clean. Not
+        # after a timeout, and not past the first failure: the buckets behind a collective that
+        # timed out would each time out in turn (MPI cannot cancel them), so a hang would take one
+        # full timeout per bucket in flight to surface instead of one.
+        if wait:
+            for b in self._buckets[: self._next]:
+                if b.work is not None:
+                    try:
+                        b.work.wait()
+                    except Exception as exc:  # noqa: BLE001 - already failing; keep the first
+                        logger.warning("GradientReducer: %s failed while aborting: %s; not "
+                                       "waiting for the buckets after it", b.label(), exc)
+                        break
         self._reset_epoch()
 
 

@@ -33,10 +33,18 @@ _TORCH_OPS: dict[ReduceOp, dist.ReduceOp.RedOpType] = {
 }
 
 
+@functools.cache
 def _reduce_options(op: ReduceOp) -> dist.AllreduceOptions:
+    # Built once per op and reused (process groups only read them): building one is two pybind
+    # constructions, a visible part of a small all-reduce's cost.
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp(_TORCH_OPS[op])
     return opts
+
+
+@functools.lru_cache(maxsize=8)
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
 
 
 def _close_if_alive(ref: weakref.ref[Communicator]) -> None:
@@ -57,7 +65,7 @@ class TorchWork(Work):
             if timeout is None:
                 self._work.wait()
             else:
-                self._work.wait(datetime.timedelta(seconds=timeout))
+                self._work.wait(_timedelta(timeout))
         except RuntimeError as exc:  # torch reports timeouts as RuntimeError/DistBackendError
             text = str(exc).lower()
             if "timed out" in text or "timeout" in text:
