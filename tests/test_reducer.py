@@ -6,7 +6,9 @@ model copy; the reference is one process's gradient on the concatenated global b
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
@@ -100,6 +102,39 @@ def test_backward_with_create_graph_averages_values(view: bool) -> None:
     assert not any(isinstance(r, Exception) for r in out), out
     assert grads_close(out[0], ref) == []
     assert_identical(out)
+
+
+def test_copies_of_a_wrapped_module_are_local_modules() -> None:
+    # copy.deepcopy (an EMA or evaluation copy) and torch.save of the whole module must work after
+    # wrapping -- the hooks hold the communicator, which cannot be copied -- and give an ordinary
+    # local module, as DDP's .module is; the original keeps being reduced.
+    ref = reference_grads(2)
+
+    def fn(comm: ThreadCommunicator) -> dict[str, Any]:
+        model = eval_bn(make_model())
+        GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+        copied = copy.deepcopy(model)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=False)
+        plain = eval_bn(make_model())
+        out: dict[str, Any] = {}
+        for name, m in (("copied", copied), ("loaded", loaded), ("plain", plain),
+                        ("wrapped", model)):
+            loss_fn(m, *batch(comm.rank)).backward()
+            out[name] = grads_of(m)
+        return out
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    for rank_out in out:
+        for name in ("copied", "loaded"):  # local gradients, not averaged
+            for pname, g in rank_out["plain"].items():
+                assert g is not None and torch.equal(rank_out[name][pname], g), (name, pname)
+    assert grads_close(out[0]["wrapped"], ref) == []
+    assert_identical([r["wrapped"] for r in out])
+    assert not torch.equal(out[0]["copied"]["fc1.weight"], out[1]["copied"]["fc1.weight"])
 
 
 def test_overlap_equals_end_of_backward_bit_for_bit() -> None:

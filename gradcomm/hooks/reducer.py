@@ -154,6 +154,38 @@ class _BackwardEnd:
         self.reducer._on_backward_end(self)
 
 
+class _InertHook:
+    """What a copy of a wrapped module holds where the original has the reducer's forward hook."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        return None
+
+
+class _ForwardPreHook:
+    """The reducer's forward pre-hook on its module.
+
+    A copy of the module (``copy.deepcopy``, or ``torch.save``/pickle of the whole module) gets an
+    :class:`_InertHook` in its place, so the copy is an ordinary local module -- as the ``.module``
+    of a DDP wrapper is -- and copying never tries to copy the communicator (which cannot be).
+    """
+
+    __slots__ = ("reducer",)
+
+    def __init__(self, reducer: GradientReducer) -> None:
+        self.reducer = reducer
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.reducer._on_forward(module, args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
+        return _InertHook()
+
+    def __reduce__(self) -> tuple[type[_InertHook], tuple[()]]:
+        return (_InertHook, ())
+
+
 class _Bucket:
     """A bucket's persistent state (internal)."""
 
@@ -273,6 +305,10 @@ class GradientReducer:
         ValueError: bad caps or factor; parameters on a device the communicator does not serve;
             the model differs across ranks (raised on every rank, naming the first difference,
             before any other collective).
+
+    The module is not wrapped: a copy of it (``copy.deepcopy``, ``torch.save`` of the whole module)
+    is an ordinary local module whose gradients are not reduced, like the ``.module`` of a DDP
+    wrapper.
 
     During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
     collective times out, ``TypeError`` naming a parameter whose gradient is sparse, and
@@ -410,7 +446,7 @@ class GradientReducer:
             for i, p in enumerate(self._params)
         ]
         if self._module is not None:
-            self._handles.append(self._module.register_forward_pre_hook(self._on_forward))
+            self._handles.append(self._module.register_forward_pre_hook(_ForwardPreHook(self)))
         logger.debug("GradientReducer: %d params in %d buckets on %s", len(self._params),
                      len(self._buckets), comm)
 
