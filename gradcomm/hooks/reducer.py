@@ -387,16 +387,18 @@ class GradientReducer:
         buffers = list(self._module.named_buffers()) if self._module is not None else []
 
         # ---- ranks agree on the model (first collective), then on its state
-        entries = [f"param {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
-                   for n, p in named]
-        entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
         # The bucket layout decides which collectives run, so ranks must agree on it too (the
-        # automatic first cap follows each rank's own background_progress).
+        # automatic first cap follows each rank's own background_progress). The options come
+        # first: a rank with extra parameters then shows '<no such entry>' against them, not a
+        # parameter against the options.
         first_cap = resolve_first_bucket_cap_mb(first_bucket_cap_mb, bucket_cap_mb, comm)
         self._first_bucket_cap_mb = first_cap
-        entries.append(f"GradientReducer option bucket_cap_mb={float(bucket_cap_mb)} "
-                       f"first_bucket_cap_mb={first_cap} "
-                       f"gradient_predivide_factor={gradient_predivide_factor}")
+        entries = [f"GradientReducer option bucket_cap_mb={float(bucket_cap_mb)} "
+                   f"first_bucket_cap_mb={first_cap} "
+                   f"gradient_predivide_factor={gradient_predivide_factor}"]
+        entries += [f"param {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+                    for n, p in named]
+        entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
         try:
             check_fingerprint(comm, entries)
         except ValueError as exc:
