@@ -660,6 +660,22 @@ def test_replaced_parameter_detected() -> None:
         assert isinstance(err, RuntimeError) and "fc2.weight" in str(err)
 
 
+def test_parameter_frozen_on_one_rank_after_wrapping_raises_on_every_rank() -> None:
+    # Without the check the rank that froze fc2.weight silently received the other rank's
+    # gradient, halved, and its optimizer updated the "frozen" parameter.
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model())
+        GradientReducer(model, comm)
+        if comm.rank == 1:
+            model.fc2.weight.requires_grad_(False)
+        loss_fn(model, *batch(comm.rank)).backward()
+
+    frozen_rank_error, other_error = run_ranks(2, fn, timeout=1.0)[::-1]
+    assert isinstance(frozen_rank_error, RuntimeError)
+    assert "fc2.weight was frozen" in str(frozen_rank_error)
+    assert isinstance(other_error, gradcomm.CollectiveTimeoutError)  # its peer stopped: no hang
+
+
 def test_replaced_buffer_detected() -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         model = eval_bn(make_model())
@@ -709,6 +725,10 @@ def test_bad_arguments() -> None:
         GradientReducer(model, comm, bucket_cap_mb=0)
     with pytest.raises(TypeError, match="bucket_cap_mb"):
         GradientReducer(model, comm, bucket_cap_mb="25")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="gradient_as_bucket_view must be True or False"):
+        GradientReducer(model, comm, gradient_as_bucket_view="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="overlap must be True or False"):
+        GradientReducer(model, comm, overlap=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         GradientReducer(model, comm, gradient_predivide_factor=-1.0)
     with pytest.raises(ValueError, match="unknown comm hook"):

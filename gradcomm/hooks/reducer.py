@@ -313,9 +313,10 @@ class GradientReducer:
     During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
     collective times out, ``TypeError`` naming a parameter whose gradient is sparse, and
     ``RuntimeError`` (naming it) when a parameter, buffer or submodule was replaced on the module
-    after wrapping, or a parameter added, unfrozen, converted to another dtype or resized there,
-    or when a gradient was accumulated again after its bucket was sent (reentrant checkpointing of
-    a parameter also used outside the checkpointed region: use ``use_reentrant=False``).
+    after wrapping, or a parameter added, unfrozen, frozen, converted to another dtype or resized
+    there, or when a gradient was accumulated again after its bucket was sent (reentrant
+    checkpointing of a parameter also used outside the checkpointed region: use
+    ``use_reentrant=False``).
     """
 
     def __init__(
@@ -340,6 +341,11 @@ class GradientReducer:
                 raise TypeError(f"{name} must be a number of MiB, got {type(cap).__name__}")
             if not math.isfinite(cap) or cap <= 0:
                 raise ValueError(f"{name} must be a positive number of MiB, got {cap}")
+        for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view),
+                           ("broadcast_buffers", broadcast_buffers), ("overlap", overlap),
+                           ("broadcast_parameters", broadcast_parameters)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if gradient_predivide_factor is not None:
             f = gradient_predivide_factor
             if isinstance(f, bool) or not isinstance(f, (int, float)):
@@ -564,6 +570,13 @@ class GradientReducer:
     def _check_unchanged(self) -> None:
         for name, p, (dtype, shape) in zip(self._names, self._params, self._layouts,
                                            strict=True):
+            if not p.requires_grad:  # frozen after wrapping, maybe on some ranks only
+                raise RuntimeError(
+                    f"parameter {name} was frozen (requires_grad=False) after the GradientReducer "
+                    "was built; a rank that froze it would still receive the other ranks' "
+                    "averaged gradient for it; freeze parameters before wrapping, or call "
+                    "reducer.remove() and build a new GradientReducer"
+                )
             if p.dtype != dtype or p.shape != shape:  # model.double(), p.data = other shape
                 raise RuntimeError(
                     f"parameter {name} is now {p.dtype} {tuple(p.shape)}, but it was {dtype} "
