@@ -97,9 +97,13 @@ class Communicator(abc.ABC):
         self._timeout = timeout
         self._closed = False
         self._seq = itertools.count()
-        # Per (dtype, device) of the tensors seen: their Support and the tail of their
-        # descriptions, so a collective's checks and its error-message text cost one dict lookup.
-        self._tensor_kinds: dict[tuple[torch.dtype, torch.device], tuple[Support, str]] = {}
+        # Per (dtype, device) of the tensors seen: the error to raise for them (None: none) and
+        # the tail of their descriptions, so a collective's device and dtype checks cost one dict
+        # lookup. ``tensor.device.type`` alone costs ~0.5 us per read (a new str each time), which
+        # call by call between two gloo calls grew to several us (benchmarks/call_overhead.py).
+        self._tensor_kinds: dict[
+            tuple[torch.dtype, torch.device], tuple[type[Exception] | None, str, str]
+        ] = {}
         #: Optional :class:`CollectiveObserver` told of every collective (None: off).
         self.profiler: CollectiveObserver | None = None
 
@@ -178,7 +182,8 @@ class Communicator(abc.ABC):
             ValueError: unknown op name, or a tensor on the wrong device type.
             RuntimeError: the communicator is closed.
         """
-        op = ReduceOp.coerce(op)
+        if op.__class__ is not ReduceOp:  # the common case skips a classmethod call
+            op = ReduceOp.coerce(op)
         self._check_open()
         tail = self._check_tensor(tensor, "all_reduce")
         if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
@@ -374,23 +379,33 @@ class Communicator(abc.ABC):
             raise TypeError(
                 f"{opname} expects a dense (strided) tensor, got layout {tensor.layout}"
             )
-        if tensor.device.type != self._device.type:
-            raise ValueError(
-                f"{opname}: tensor is on {tensor.device}, but this {self.backend} communicator "
-                f"works on {self._device}"
-            )
-        support, tail = self._tensor_kind(tensor)
-        if reduction and not support.is_supported:
-            raise TypeError(f"{opname}: {support.reason}")
+        kind = self._tensor_kinds.get((tensor.dtype, tensor.device))
+        if kind is None:
+            kind = self._tensor_kind(tensor)
+        error, reason, tail = kind
+        if error is not None and (reduction or error is ValueError):
+            raise error(f"{opname}: {reason}")
         return tail
 
-    def _tensor_kind(self, tensor: torch.Tensor) -> tuple[Support, str]:
-        key = (tensor.dtype, tensor.device)
-        kind = self._tensor_kinds.get(key)
-        if kind is None:
-            tail = (f" {tensor.dtype} on {tensor.device} ({self.backend}, "
-                    f"rank {self._rank}/{self._world_size})")
-            kind = self._tensor_kinds[key] = (self.supports(*key), tail)
+    def _tensor_kind(self, tensor: torch.Tensor) -> tuple[type[Exception] | None, str, str]:
+        """Classify (and cache) ``tensor``'s (dtype, device): (error class or None, why, tail).
+
+        ValueError: a device type other than this communicator's (raised for every collective);
+        TypeError: a dtype :meth:`supports` calls unsupported (raised for reductions only).
+        """
+        dtype, device = tensor.dtype, tensor.device
+        tail = f" {dtype} on {device} ({self.backend}, rank {self._rank}/{self._world_size})"
+        error: type[Exception] | None = None
+        if device.type != self._device.type:
+            error = ValueError
+            reason = (f"tensor is on {device}, but this {self.backend} communicator works on "
+                      f"{self._device}")
+        else:
+            support = self.supports(dtype, device)
+            reason = support.reason
+            if not support.is_supported:
+                error = TypeError
+        kind = self._tensor_kinds[(dtype, device)] = (error, reason, tail)
         return kind
 
     def _describe(self, opname: str, tensor: torch.Tensor, extra: str, tail: str) -> str:
