@@ -389,3 +389,18 @@ def test_step_time_rejects_bad_arguments_before_starting(argv: list[str]) -> Non
     with pytest.raises(SystemExit) as info:
         st.parse_args(argv)  # type: ignore[attr-defined]
     assert info.value.code == 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_call_overhead_script_runs_under_mpiexec(backend: str) -> None:
+    proc = run_mpi(REPO_ROOT / "benchmarks" / "call_overhead.py", 2,
+                   ["--backend", backend, "--bytes", "8", "--calls", "20"], timeout=120,
+                   env={"PYTHONPATH": str(REPO_ROOT)})
+    kinds = {"gloo": ("comm", "raw", "work"), "mpi": ("comm", "raw")}[backend]
+    lines = proc.stdout.splitlines()
+    for kind in kinds:
+        (row,) = [ln for ln in lines if ln.split()[:1] == [kind] and len(ln.split()) == 3]
+        median, q1 = map(float, row.split()[1:3])
+        assert 0 < q1 <= median, row
+    assert any(ln.strip().startswith("comm - raw:") for ln in lines), proc.stdout

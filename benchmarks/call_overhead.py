@@ -1,0 +1,88 @@
+"""Per-call cost of ``comm.all_reduce`` on a small tensor against the raw transport, call by call.
+
+``python -m gradcomm.bench`` times rounds of many calls of one kind, so slow drift of a shared
+machine lands on whichever kind ran then. This script alternates the kinds call by call (in an
+order reversed every round) on the *same* transport object, so drift cancels, and reports the
+median over calls of the max over ranks. Kinds:
+
+* gloo: ``raw`` = ``ProcessGroupGloo.allreduce([t], opts).wait(timeout)`` on the communicator's
+  own process group; ``work`` = the same wrapped in gradcomm's ``Work`` (what the backend's
+  ``_all_reduce`` returns); ``comm`` = ``comm.all_reduce(t)``.
+* mpi: ``raw`` = mpi4py ``Iallreduce`` + ``Wait`` on a ``Dup`` of the communicator's ``MPI.Comm``;
+  ``comm`` = ``comm.all_reduce(t)``.
+
+Run: ``mpiexec -n 2 python benchmarks/call_overhead.py --backend gloo --bytes 8 --calls 2000``
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import datetime
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo")
+    p.add_argument("--bytes", type=int, default=8, help="message size in bytes (float32 data)")
+    p.add_argument("--calls", type=int, default=2000, help="calls of each kind (default 2000)")
+    args = p.parse_args()
+    if args.bytes < 4 or args.calls < 10:
+        p.error("need --bytes >= 4 and --calls >= 10")
+    from mpi4py import MPI
+
+    import gradcomm
+
+    world = MPI.COMM_WORLD
+    comm = gradcomm.init(args.backend, timeout=60)
+    t = torch.zeros(args.bytes // 4)
+    kinds: dict[str, Callable[[], object]] = {"comm": lambda: comm.all_reduce(t)}
+    if args.backend == "gloo":
+        import torch.distributed as dist
+
+        from gradcomm.comm.backends.torch_dist import TorchWork
+
+        pg = comm.process_group  # type: ignore[attr-defined]
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        td = datetime.timedelta(seconds=60)
+        kinds["raw"] = lambda: pg.allreduce([t], opts).wait(td)
+        kinds["work"] = lambda: TorchWork(pg.allreduce([t], opts), "x", 60.0).wait()
+    else:
+        raw = world.Dup()
+        buf = t.numpy()
+        kinds["raw"] = lambda: raw.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait()
+    names = list(kinds)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    clock = time.perf_counter
+    for _ in range(20):  # warm-up
+        for k in names:
+            kinds[k]()
+    for r in range(args.calls):
+        for k in (names if r % 2 else names[::-1]):
+            t0 = clock()
+            kinds[k]()
+            times[k].append(clock() - t0)
+    gathered = {k: world.gather(v, root=0) for k, v in times.items()}
+    if world.Get_rank() == 0:
+        print(f"{args.backend}, {world.Get_size()} ranks, {args.bytes} B, {args.calls} calls each, "
+              "interleaved; median / 25th percentile of the max over ranks, us")
+        med = {}
+        for k, per_rank in gathered.items():
+            m = [max(x) for x in zip(*per_rank, strict=True)]
+            med[k] = statistics.median(m)
+            print(f"  {k:<5} {med[k] * 1e6:8.1f} {statistics.quantiles(m, n=4)[0] * 1e6:8.1f}")
+        print(f"  comm - raw: {(med['comm'] - med['raw']) * 1e6:+.1f} us")
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
