@@ -556,7 +556,7 @@ class MPICommunicator(Communicator):
     ) -> tuple[object, Callable[[], None] | None]:
         """Return a buffer MPI can use for the contiguous 1-D ``wire``, and what to run after.
 
-        CPU: a zero-copy numpy view and no finishing step. CUDA: the device adapter's buffer
+        CPU: a zero-copy view of its memory and no finishing step. CUDA: the device adapter's buffer
         (a CuPy view, or a pinned host copy whose ``finish`` copies the result back); ``read``
         False skips staging the current values in, ``write`` False skips copying results back.
         """
