@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpi_scripts.collective_checks import check_any_dtype_moves, check_sign_bits
 
 import gradcomm
 from gradcomm.comm import CollectiveTimeoutError, Communicator, ReduceOp, SupportLevel
@@ -195,6 +196,8 @@ def full_suite(comm: Communicator, handshake: Path, dtypes: list[torch.dtype]) -
     check_reductions(comm, dtypes)
     check_broadcast_gather_barrier(comm)
     check_non_contiguous(comm)
+    check_sign_bits(comm)
+    check_any_dtype_moves(comm)
     check_async(comm, handshake)
     check_closed(comm)
     return "ok"

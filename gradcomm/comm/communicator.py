@@ -46,6 +46,32 @@ class CollectiveObserver(Protocol):
         ...
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when a transport can use its memory as it is; else a contiguous copy.
+
+    A copy is made for non-contiguous tensors and for the lazy negative and conjugate views
+    (``t.conj().imag``, ``torch.Tensor.conj()``), which keep their sign in a bit of the tensor,
+    not in memory: a transport reading raw memory would reduce the wrong values (MIN and MAX
+    swapped). Callers copy the result back into ``tensor``, which honours the bits.
+    """
+    if tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj():
+        return tensor
+    return tensor.resolve_conj().resolve_neg().contiguous()
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory of a contiguous ``tensor`` as a 1-D uint8 view (no copy).
+
+    Shape ``(tensor.numel() * tensor.element_size(),)``. A one-element tensor counts as contiguous
+    whatever its stride (``torch.zeros(2)[::2]`` has stride 2), which ``Tensor.view(torch.uint8)``
+    rejects, so it is viewed with stride 1 first (the same single element).
+    """
+    flat = tensor.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
 class Communicator(abc.ABC):
     """A group of ``world_size`` processes that run collectives on tensors of one device type.
 
@@ -193,7 +219,7 @@ class Communicator(abc.ABC):
             )
         if self._world_size == 1 or tensor.numel() == 0:
             return CompletedWork()
-        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        buf = _plain(tensor)
         desc = self._describe("all_reduce", buf, op.name if label is None else f"{op.name} {label}",
                               tail)
         done = (
@@ -247,7 +273,7 @@ class Communicator(abc.ABC):
             raise ValueError(f"src must be in [0, {self._world_size}), got {src}")
         if self._world_size == 1 or tensor.numel() == 0:
             return CompletedWork()
-        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        buf = _plain(tensor)
         done = (
             None
             if self.profiler is None
@@ -286,12 +312,12 @@ class Communicator(abc.ABC):
         if self._world_size == 1 or input.numel() == 0:
             output.copy_(input.reshape(output.shape))
             return CompletedWork()
-        src = input if input.is_contiguous() else input.contiguous()
+        src = _plain(input)
         if src.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
             # input is a view into output (e.g. this rank's own slot): transports read input
             # while writing output, and MPI rejects aliased buffers, so send a copy.
             src = src.clone()
-        out = output if output.is_contiguous() else output.contiguous()
+        out = _plain(output)
         done = (
             None
             if self.profiler is None

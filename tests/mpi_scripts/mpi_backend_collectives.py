@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from collective_checks import check_any_dtype_moves, check_sign_bits
 
 import gradcomm
 from gradcomm.comm.backends.mpi import MPICommunicator
@@ -125,6 +126,9 @@ def main() -> None:
         expect = torch.stack([rank_input(r, dtype) for r in range(world)])
         assert torch.equal(out, expect), f"all_gather {dtype}: {out}"
         checks += 1
+
+    checks += check_sign_bits(comm)  # negative/conjugate views: values, not raw memory
+    checks += check_any_dtype_moves(comm)
 
     # barrier
     comm.barrier()

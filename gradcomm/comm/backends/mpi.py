@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..communicator import Communicator
+from ..communicator import Communicator, flat_bytes
 from ..errors import BackendUnavailableError
 from ..launcher import Launcher, LaunchInfo, cpus_per_local_process
 from ..mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
@@ -490,7 +490,7 @@ class MPICommunicator(Communicator):
 
     def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
         comm = self._live_comm()
-        wire = tensor.reshape(-1).view(torch.uint8)
+        wire = flat_bytes(tensor)
         buf, finish = self._prepare(wire)
         work = self._work(comm.Ibcast([buf, MPI.BYTE], root=src), description, (tensor, buf))
         if finish is not None:
@@ -499,8 +499,8 @@ class MPICommunicator(Communicator):
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
         comm = self._live_comm()
-        send, finish_send = self._prepare(input.view(torch.uint8), write=False)
-        recv, finish_recv = self._prepare(output.view(torch.uint8), read=False)
+        send, finish_send = self._prepare(flat_bytes(input), write=False)
+        recv, finish_recv = self._prepare(flat_bytes(output), read=False)
         request = comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])
         work = self._work(request, description, (input, output, send, recv))
         for finish in (finish_send, finish_recv):

@@ -16,7 +16,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..communicator import Communicator
+from ..communicator import Communicator, flat_bytes
 from ..launcher import LaunchInfo
 from ..rendezvous import create_store
 from ..types import ReduceOp
@@ -128,14 +128,16 @@ class TorchDistCommunicator(Communicator):
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
         return self._wrap(self._pg().allreduce([tensor], _reduce_options(op)), description)
 
+    # broadcast and all_gather move bytes, so they go as uint8 views: any dtype works (gloo
+    # rejects uint16/32/64, float8 and, for all_gather, complex with "Invalid scalar type").
     def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        return self._wrap(self._pg().broadcast([tensor], opts), description)
+        return self._wrap(self._pg().broadcast([flat_bytes(tensor)], opts), description)
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
-        chunks = list(output.chunk(self.world_size))
-        return self._wrap(self._pg().allgather([chunks], [input]), description)
+        chunks = list(flat_bytes(output).chunk(self.world_size))
+        return self._wrap(self._pg().allgather([chunks], [flat_bytes(input)]), description)
 
     def _barrier(self, description: str) -> Work:
         # An all-reduce of one element: the same on every process group type.

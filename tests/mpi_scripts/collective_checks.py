@@ -1,0 +1,93 @@
+"""Collective checks shared by every backend's suite (threads and gloo in test_communicator.py,
+MPI in mpi_backend_collectives.py). Each takes a communicator, asserts values, and returns the
+number of checks it made."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradcomm.comm import Communicator, ReduceOp
+
+
+def _neg_view(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 view whose sign lives in the tensor's negative bit, not in memory.
+
+    ``z.conj().imag`` of a complex tensor ``z``: shows ``-(rank + 2 + i)`` for ``i < n`` while the
+    memory holds ``+(rank + 2 + i)``. With n == 1 it is contiguous, else strided.
+    """
+    z = torch.tensor([complex(1, rank + 2 + i) for i in range(n)], dtype=torch.complex64)
+    t = z.conj().imag
+    assert t.is_neg() and t.is_contiguous() == (n == 1)
+    return z, t
+
+
+def check_sign_bits(comm: Communicator) -> int:
+    """Negative and conjugate views reduce, broadcast and gather the values they show."""
+    rank, ws = comm.rank, comm.world_size
+    checks = 0
+    for n in (1, 5):
+        shown = [[-(r + 2 + i) for i in range(n)] for r in range(ws)]
+        columns = list(zip(*shown, strict=True))
+        expected = {
+            ReduceOp.SUM: [float(sum(c)) for c in columns],
+            ReduceOp.MIN: [float(min(c)) for c in columns],
+            ReduceOp.MAX: [float(max(c)) for c in columns],
+            ReduceOp.PRODUCT: [float(math.prod(c)) for c in columns],
+        }
+        for op, want in expected.items():
+            z, t = _neg_view(rank, n)
+            comm.all_reduce(t, op)
+            assert t.tolist() == want, f"{op} of a negative view ({n} elements): {t.tolist()}"
+            assert z.imag.tolist() == [-v for v in want], "written back without the sign bit"
+            checks += 1
+
+        src = ws - 1
+        z, t = _neg_view(rank, n)
+        comm.broadcast(t, src=src)
+        assert t.tolist() == [float(v) for v in shown[src]], f"broadcast of a negative view: {t}"
+        checks += 1
+
+        _, t = _neg_view(rank, n)
+        out_z = torch.zeros(ws * n, dtype=torch.complex64)
+        out = out_z.conj().imag  # the output has the negative bit too
+        comm.all_gather(out, t)
+        assert out.tolist() == [float(v) for row in shown for v in row], f"all_gather: {out}"
+        checks += 1
+
+    # A conjugate complex view, broadcast as raw bytes: receivers see the values src shows.
+    z = torch.tensor([complex(rank, 1.0 + rank), complex(-rank, 2.0)], dtype=torch.complex128)
+    c = z.conj()
+    assert c.is_conj()
+    comm.broadcast(c, src=ws - 1)
+    s = ws - 1
+    assert c.tolist() == [complex(s, -(1.0 + s)), complex(-s, -2.0)], f"broadcast of conj: {c}"
+    return checks + 1
+
+
+# dtypes that no backend reduces but every backend moves (broadcast, all_gather) as raw bytes.
+BYTE_DTYPES = [torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+               torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.int16]
+
+
+def _bytes_of(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.arange(6) + 7 * rank).to(dtype).view(2, 3)
+
+
+def check_any_dtype_moves(comm: Communicator) -> int:
+    """broadcast and all_gather deliver every dtype byte for byte, on every backend."""
+    rank, ws = comm.rank, comm.world_size
+    src = ws - 1
+    checks = 0
+    for dtype in BYTE_DTYPES:
+        t = _bytes_of(rank, dtype)
+        comm.broadcast(t, src=src)
+        assert torch.equal(t.view(torch.uint8), _bytes_of(src, dtype).view(torch.uint8)), (
+            f"broadcast {dtype}: {t}")
+        out = torch.empty(ws, 2, 3, dtype=dtype)
+        comm.all_gather(out, _bytes_of(rank, dtype))
+        want = torch.stack([_bytes_of(r, dtype) for r in range(ws)])
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), f"all_gather {dtype}"
+        checks += 2
+    return checks
