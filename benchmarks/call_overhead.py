@@ -35,13 +35,16 @@ def main() -> None:
     p.add_argument("--bytes", type=int, default=8, help="message size in bytes (float32 data)")
     p.add_argument("--calls", type=int, default=2000, help="calls of each kind (default 2000)")
     args = p.parse_args()
-    if args.bytes < 4 or args.calls < 10:
-        p.error("need --bytes >= 4 and --calls >= 10")
+    if args.bytes < 4 or args.bytes % 4 or args.calls < 10:
+        p.error("need --bytes >= 4, a multiple of 4 (float32 data), and --calls >= 10")
     from mpi4py import MPI
 
     import gradcomm
 
     world = MPI.COMM_WORLD
+    if world.Get_size() < 2:  # one process, or torchrun (whose ranks are MPI singletons)
+        p.error("run under mpiexec with 2 or more ranks, e.g. "
+                "mpiexec -n 2 python benchmarks/call_overhead.py")
     comm = gradcomm.init(args.backend, timeout=60)
     t = torch.zeros(args.bytes // 4)
     kinds: dict[str, Callable[[], object]] = {"comm": lambda: comm.all_reduce(t)}

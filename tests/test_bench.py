@@ -404,3 +404,15 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str) -> None:
         median, q1 = map(float, row.split()[1:3])
         assert 0 < q1 <= median, row
     assert any(ln.strip().startswith("comm - raw:") for ln in lines), proc.stdout
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--calls", "10"], "mpiexec with 2 or more ranks"),  # one process: nothing to compare
+    (["--bytes", "6"], "multiple of 4"),  # would send 4 B and call it 6
+    (["--calls", "1"], "--calls >= 10"),
+])
+def test_call_overhead_rejects_what_it_cannot_measure(argv: list[str], says: str) -> None:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "call_overhead.py"),
+                           *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
