@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpi_scripts.collective_checks import check_any_dtype_moves, check_sign_bits
+from mpi_scripts.collective_checks import (
+    check_any_dtype_moves,
+    check_awkward_targets,
+    check_sign_bits,
+)
 
 import gradcomm
 from gradcomm.comm import CollectiveTimeoutError, Communicator, ReduceOp, SupportLevel
@@ -198,6 +202,7 @@ def full_suite(comm: Communicator, handshake: Path, dtypes: list[torch.dtype]) -
     check_non_contiguous(comm)
     check_sign_bits(comm)
     check_any_dtype_moves(comm)
+    check_awkward_targets(comm)
     check_async(comm, handshake)
     check_closed(comm)
     return "ok"

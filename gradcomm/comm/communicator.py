@@ -11,9 +11,10 @@ manner of ``cupyx.distributed``'s communicator base class.
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 from collections.abc import Callable
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -46,17 +47,51 @@ class CollectiveObserver(Protocol):
         ...
 
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
+def _check_writable(tensor: torch.Tensor, opname: str) -> None:
+    """Raise ValueError if some elements of ``tensor`` share one memory location (an
+    ``expand()``-ed view, stride 0): a collective's result cannot be written into it (``copy_``
+    would refuse after the transfer), so it is refused before, at every world size."""
+    if tensor.numel() and not tensor.is_contiguous() and any(
+        st == 0 and n > 1 for n, st in zip(tensor.shape, tensor.stride(), strict=True)
+    ):
+        raise ValueError(
+            f"{opname}: the tensor has several elements at one memory location (stride 0, e.g. "
+            f"from expand(); shape {tuple(tensor.shape)}, stride {tensor.stride()}), so the result "
+            "cannot be written into it; pass a tensor with memory of its own (.clone())"
+        )
+
+
+def writing_into(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """Context for writing a result into the caller's ``tensor`` in place: ``torch.no_grad()``
+    (a leaf that requires grad accepts it there), or ``torch.inference_mode()`` for an inference
+    tensor (which accepts in-place updates nowhere else)."""
+    return torch.inference_mode() if tensor.is_inference() else torch.no_grad()
+
+
+def _plain(tensor: torch.Tensor, written_by: str | None = None) -> torch.Tensor:
     """``tensor`` itself when a transport can use its memory as it is; else a contiguous copy.
 
     A copy is made for non-contiguous tensors and for the lazy negative and conjugate views
     (``t.conj().imag``, ``torch.Tensor.conj()``), which keep their sign in a bit of the tensor,
     not in memory: a transport reading raw memory would reduce the wrong values (MIN and MAX
     swapped). Callers copy the result back into ``tensor``, which honours the bits.
+
+    Raises:
+        ValueError: from :func:`_check_writable` when ``written_by`` (the collective's name) is
+            given, i.e. the result will be written into ``tensor``.
     """
     if tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj():
         return tensor
+    if written_by is not None:
+        _check_writable(tensor, written_by)
     return tensor.resolve_conj().resolve_neg().contiguous()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors overlaps (by address, so also for separate
+    storages over one buffer, e.g. two ``torch.from_numpy`` views of one array)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -205,7 +240,8 @@ class Communicator(abc.ABC):
 
         Raises:
             TypeError: not a tensor, sparse, unsupported dtype, or ``AVG`` on a non-float dtype.
-            ValueError: unknown op name, or a tensor on the wrong device type.
+            ValueError: unknown op name, a tensor on the wrong device type, or one whose
+                elements share memory (``expand()``).
             RuntimeError: the communicator is closed.
         """
         if op.__class__ is not ReduceOp:  # the common case skips a classmethod call
@@ -218,8 +254,9 @@ class Communicator(abc.ABC):
                 "use ReduceOp.SUM and divide, or cast first"
             )
         if self._world_size == 1 or tensor.numel() == 0:
+            _check_writable(tensor, "all_reduce")
             return CompletedWork()
-        buf = _plain(tensor)
+        buf = _plain(tensor, "all_reduce")
         desc = self._describe("all_reduce", buf, op.name if label is None else f"{op.name} {label}",
                               tail)
         done = (
@@ -237,7 +274,7 @@ class Communicator(abc.ABC):
             work.add_callback(done)
         if buf is not tensor:
             work.add_callback(lambda: tensor.copy_(buf))
-        return self._finish(work, async_op)
+        return self._finish(work, async_op, tensor)
 
     def _emulated_avg(self, buf: torch.Tensor, desc: str) -> Work:
         """AVG as SUM then divide. 16-bit floats are summed in float32 and rounded once at the
@@ -262,7 +299,8 @@ class Communicator(abc.ABC):
             async_op: return at once with a pending :class:`Work`.
 
         Raises:
-            TypeError: not a tensor or sparse. ValueError: ``src`` out of range or wrong device.
+            TypeError: not a tensor or sparse. ValueError: ``src`` out of range, wrong device, or
+            elements that share memory (``expand()``).
             RuntimeError: the communicator is closed.
         """
         self._check_open()
@@ -272,8 +310,9 @@ class Communicator(abc.ABC):
         if not 0 <= src < self._world_size:
             raise ValueError(f"src must be in [0, {self._world_size}), got {src}")
         if self._world_size == 1 or tensor.numel() == 0:
+            _check_writable(tensor, "broadcast")
             return CompletedWork()
-        buf = _plain(tensor)
+        buf = _plain(tensor, "broadcast")
         done = (
             None
             if self.profiler is None
@@ -284,7 +323,7 @@ class Communicator(abc.ABC):
             work.add_callback(done)
         if buf is not tensor:
             work.add_callback(lambda: tensor.copy_(buf))
-        return self._finish(work, async_op)
+        return self._finish(work, async_op, tensor)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
@@ -297,7 +336,8 @@ class Communicator(abc.ABC):
 
         Raises:
             TypeError: not tensors, or dtypes differ. ValueError: ``output.numel()`` is not
-            ``world_size * input.numel()``, or wrong device. RuntimeError: closed.
+            ``world_size * input.numel()``, wrong device, or ``output``'s elements share memory
+            (``expand()``). RuntimeError: closed.
         """
         self._check_open()
         tail = self._check_tensor(input, "all_gather", reduction=False)
@@ -310,14 +350,16 @@ class Communicator(abc.ABC):
                 f"{self._world_size} * {input.numel()} elements, got {output.numel()}"
             )
         if self._world_size == 1 or input.numel() == 0:
-            output.copy_(input.reshape(output.shape))
+            _check_writable(output, "all_gather")
+            with writing_into(output):
+                output.copy_(input.reshape(output.shape))
             return CompletedWork()
         src = _plain(input)
-        if src.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
-            # input is a view into output (e.g. this rank's own slot): transports read input
-            # while writing output, and MPI rejects aliased buffers, so send a copy.
+        out = _plain(output, "all_gather")
+        if _overlap(src, out):
+            # input is (part of) output, e.g. this rank's own slot: transports read input while
+            # writing output, and MPI rejects aliased buffers, so send a copy.
             src = src.clone()
-        out = _plain(output)
         done = (
             None
             if self.profiler is None
@@ -329,7 +371,7 @@ class Communicator(abc.ABC):
             work.add_callback(done)
         if out is not output:
             work.add_callback(lambda: output.copy_(out))
-        return self._finish(work, async_op)
+        return self._finish(work, async_op, output)
 
     def barrier(self) -> None:
         """Block until every rank has called :meth:`barrier` (within the timeout).
@@ -440,7 +482,11 @@ class Communicator(abc.ABC):
         return f"{opname} #{next(self._seq)}{detail} of {tensor.numel()}{tail}"
 
     @staticmethod
-    def _finish(work: Work, async_op: bool) -> Work:
+    def _finish(work: Work, async_op: bool, target: torch.Tensor) -> Work:
+        """Wait unless ``async_op``; callbacks writing into an inference tensor ``target`` will
+        run in inference mode (the only place it takes in-place updates)."""
+        if work._callbacks and target.is_inference():
+            work._inference = True
         if not async_op:
             work.wait()
         return work

@@ -12,6 +12,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 
+import torch
+
 from .errors import CollectiveTimeoutError
 
 __all__ = ["Work", "CompletedWork"]
@@ -31,6 +33,10 @@ class Work(abc.ABC):
         self.timeout = timeout
         self._done = False
         self._callbacks: list[Callable[[], object]] = []
+        # Callbacks write results into the caller's tensors: outside autograd (torch.no_grad, so
+        # a leaf that requires grad can take them), or in inference mode when the tensor is an
+        # inference tensor (which takes in-place updates nowhere else); see the Communicator.
+        self._inference = False
 
     # Backends implement these two.
     @abc.abstractmethod
@@ -44,7 +50,9 @@ class Work(abc.ABC):
     def add_callback(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` once, after the transport completes and before :meth:`wait` returns.
 
-        Its return value is ignored (so ``lambda: tensor.div_(n)`` is fine).
+        Its return value is ignored (so ``lambda: tensor.div_(n)`` is fine). It runs under
+        :func:`torch.no_grad` (:func:`torch.inference_mode` when the collective's tensor is an
+        inference tensor), so it may update tensors in place that autograd would refuse.
 
         Raises:
             RuntimeError: the work has already completed.
@@ -89,8 +97,10 @@ class Work(abc.ABC):
     def _finish(self) -> None:
         self._done = True
         callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
+        if callbacks:
+            with torch.inference_mode() if self._inference else torch.no_grad():
+                for fn in callbacks:
+                    fn()
 
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"

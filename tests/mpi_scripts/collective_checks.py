@@ -5,8 +5,11 @@ number of checks it made."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import numpy as np
 import torch
+from torch import nn
 
 from gradcomm.comm import Communicator, ReduceOp
 
@@ -91,3 +94,70 @@ def check_any_dtype_moves(comm: Communicator) -> int:
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), f"all_gather {dtype}"
         checks += 2
     return checks
+
+
+def _raises_value_error(call: Callable[[], object], says: str) -> None:
+    try:
+        call()
+    except ValueError as exc:
+        assert says in str(exc), str(exc)
+    else:
+        raise AssertionError(f"no ValueError ({says})")
+
+
+def check_awkward_targets(comm: Communicator) -> int:
+    """Results land in tensors that autograd or inference mode guard, and across separate storages
+    over one buffer; targets whose elements share memory are refused before any transfer."""
+    rank, ws = comm.rank, comm.world_size
+    last = ws - 1
+    mean = (ws - 1) / 2
+    checks = 0
+
+    # Leaves that require grad: non-contiguous (written back by a copy) and contiguous with AVG
+    # (divided after the sum), float32 and float16.
+    p = nn.Parameter(torch.full((3, 2), float(rank)).t())
+    comm.broadcast(p, src=last)
+    assert p.requires_grad and p.detach().tolist() == [[float(last)] * 3] * 2, p
+    for dtype in (torch.float32, torch.float16):
+        if comm.supports(dtype).is_supported:
+            q = nn.Parameter(torch.full((4,), float(rank), dtype=dtype))
+            comm.all_reduce(q, "avg")
+            assert q.detach().tolist() == [mean] * 4, f"AVG into a {dtype} parameter: {q}"
+            checks += 1
+    r = nn.Parameter(torch.full((3, 2), float(rank)).t())
+    comm.all_reduce(r, "max")
+    assert r.detach().tolist() == [[float(last)] * 3] * 2, r
+    g = nn.Parameter(torch.zeros(2, ws).t())  # (ws, 2), non-contiguous
+    comm.all_gather(g, torch.full((2,), float(rank)))
+    assert g.detach().tolist() == [[float(i)] * 2 for i in range(ws)], g
+    checks += 3
+
+    # Inference tensors, used outside inference mode.
+    with torch.inference_mode():
+        a = torch.full((3, 2), float(rank)).t()
+        b = torch.full((4,), float(rank))
+    comm.all_reduce(a, "sum")
+    comm.all_reduce(b, "avg")
+    assert a.tolist() == [[float(sum(range(ws)))] * 3] * 2 and b.tolist() == [mean] * 4, (a, b)
+    checks += 1
+
+    # Input and output are separate storages over one numpy buffer, the input being this rank's
+    # slot of the output (a storage comparison does not see it; MPI rejects aliased buffers).
+    shared = np.zeros(2 * ws, dtype=np.float32)
+    out = torch.from_numpy(shared)
+    inp = torch.from_numpy(shared[2 * rank:2 * rank + 2])
+    inp.fill_(rank + 1)
+    comm.all_gather(out, inp)
+    assert out.tolist() == [float(i + 1) for i in range(ws) for _ in range(2)], out
+    checks += 1
+
+    # Elements sharing memory (expand): refused on every rank before any transfer.
+    e = torch.zeros(1).expand(3)
+    _raises_value_error(lambda: comm.all_reduce(e), "one memory location")
+    _raises_value_error(lambda: comm.broadcast(e), "one memory location")
+    _raises_value_error(lambda: comm.all_gather(torch.zeros(1).expand(2 * ws), torch.ones(2)),
+                        "one memory location")
+    t = torch.ones(3)
+    comm.all_reduce(t)  # still in step
+    assert t.tolist() == [float(ws)] * 3, t
+    return checks + 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from collective_checks import check_any_dtype_moves, check_sign_bits
+from collective_checks import check_any_dtype_moves, check_awkward_targets, check_sign_bits
 
 import gradcomm
 from gradcomm.comm.backends.mpi import MPICommunicator
@@ -129,6 +129,7 @@ def main() -> None:
 
     checks += check_sign_bits(comm)  # negative/conjugate views: values, not raw memory
     checks += check_any_dtype_moves(comm)
+    checks += check_awkward_targets(comm)
 
     # barrier
     comm.barrier()

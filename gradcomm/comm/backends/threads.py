@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from ..communicator import Communicator
+from ..communicator import Communicator, writing_into
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import Work
 
@@ -153,21 +153,24 @@ class ThreadCommunicator(Communicator):
             acc = parts[0].clone()
             for part in parts[1:]:
                 acc = reduce(acc, part)
-            tensor.copy_(acc)
+            with writing_into(tensor):  # grad mode is per thread: on in this worker
+                tensor.copy_(acc)
 
         return self._submit(run, description)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
         def run() -> None:
             parts = self.group._exchange(self.rank, tensor.clone())
-            tensor.copy_(parts[src])
+            with writing_into(tensor):
+                tensor.copy_(parts[src])
 
         return self._submit(run, description)
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
         def run() -> None:
             parts = self.group._exchange(self.rank, input.clone())
-            output.copy_(torch.cat(parts))
+            with writing_into(output):
+                output.copy_(torch.cat(parts))
 
         return self._submit(run, description)
 
