@@ -12,6 +12,7 @@ median over calls of the max over ranks. Kinds:
   ``comm`` = ``comm.all_reduce(t)``.
 
 Run: ``mpiexec -n 2 python benchmarks/call_overhead.py --backend gloo --bytes 8 --calls 2000``
+(``--json FILE`` keeps the numbers; ``python benchmarks/report.py FILE`` prints them).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import datetime
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -34,6 +38,8 @@ def main() -> None:
     p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo")
     p.add_argument("--bytes", type=int, default=8, help="message size in bytes (float32 data)")
     p.add_argument("--calls", type=int, default=2000, help="calls of each kind (default 2000)")
+    p.add_argument("--json", type=Path, help="also write the numbers here (benchmarks/report.py "
+                   "prints them as a table)")
     args = p.parse_args()
     if args.bytes < 4 or args.bytes % 4 or args.calls < 10:
         p.error("need --bytes >= 4, a multiple of 4 (float32 data), and --calls >= 10")
@@ -63,6 +69,7 @@ def main() -> None:
         raw = world.Dup()
         buf = t.numpy()
         kinds["raw"] = lambda: raw.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait()
+    start = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     names = list(kinds)
     times: dict[str, list[float]] = {k: [] for k in names}
     clock = time.perf_counter
@@ -78,12 +85,24 @@ def main() -> None:
     if world.Get_rank() == 0:
         print(f"{args.backend}, {world.Get_size()} ranks, {args.bytes} B, {args.calls} calls each, "
               "interleaved; median / 25th percentile of the max over ranks, us")
-        med = {}
+        kinds_us = {}
         for k, per_rank in gathered.items():
             m = [max(x) for x in zip(*per_rank, strict=True)]
-            med[k] = statistics.median(m)
-            print(f"  {k:<5} {med[k] * 1e6:8.1f} {statistics.quantiles(m, n=4)[0] * 1e6:8.1f}")
-        print(f"  comm - raw: {(med['comm'] - med['raw']) * 1e6:+.1f} us")
+            kinds_us[k] = {"median_us": statistics.median(m) * 1e6,
+                           "p25_us": statistics.quantiles(m, n=4)[0] * 1e6}
+            print(f"  {k:<5} {kinds_us[k]['median_us']:8.1f} {kinds_us[k]['p25_us']:8.1f}")
+        overhead = kinds_us["comm"]["median_us"] - kinds_us["raw"]["median_us"]
+        print(f"  comm - raw: {overhead:+.1f} us")
+        if args.json is not None:
+            meta = {"tool": "benchmarks/call_overhead.py",
+                    "command": "python " + " ".join(["benchmarks/call_overhead.py", *sys.argv[1:]]),
+                    "date_utc": start, "world_size": world.Get_size(), "backend": args.backend,
+                    "bytes": args.bytes, "calls": args.calls, "torch": torch.__version__,
+                    "cpu_count": os.cpu_count(), "time": "median over calls of the max over ranks"}
+            doc = {"meta": meta, "kinds": kinds_us, "overhead_us": overhead,
+                   "overhead_ratio": kinds_us["comm"]["median_us"] / kinds_us["raw"]["median_us"]}
+            args.json.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"wrote {args.json}")
     comm.close()
 
 

@@ -100,6 +100,24 @@ def _overhead_targets(backend: str, rows: list[dict[str, Any]]) -> list[str]:
     return [*out, ""] if out else []
 
 
+def call_overhead_table(doc: dict[str, Any]) -> list[str]:
+    """Markdown for a benchmarks/call_overhead.py result (one row per kind of call)."""
+    meta = doc["meta"]
+    out = [
+        f"`{meta['command']}` ({meta['world_size']} ranks, {meta['cpu_count']} CPUs, "
+        f"{meta['date_utc']}, {meta['bytes']} B, {meta['calls']} calls of each kind, "
+        f"time = {meta['time']})",
+        "",
+        "| call | median us | 25th percentile us |",
+        "|---|---:|---:|",
+    ]
+    out += [f"| {kind} | {v['median_us']:.1f} | {v['p25_us']:.1f} |"
+            for kind, v in doc["kinds"].items()]
+    out += ["", f"- comm - raw: {doc['overhead_us']:+.1f} us (ratio {doc['overhead_ratio']:.3f})",
+            ""]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", type=Path)
@@ -109,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"### {path.name}\n")
         if "results" in doc:
             print("\n".join(step_time_tables(doc)))
+        elif "kinds" in doc:
+            print("\n".join(call_overhead_table(doc)))
         elif "rows" in doc:
             print("\n".join(sweep_tables(doc)))
         else:

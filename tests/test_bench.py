@@ -393,10 +393,18 @@ def test_step_time_rejects_bad_arguments_before_starting(argv: list[str]) -> Non
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_call_overhead_script_runs_under_mpiexec(backend: str) -> None:
+def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -> None:
+    out = tmp_path / "co.json"
     proc = run_mpi(REPO_ROOT / "benchmarks" / "call_overhead.py", 2,
-                   ["--backend", backend, "--bytes", "8", "--calls", "20"], timeout=120,
-                   env={"PYTHONPATH": str(REPO_ROOT)})
+                   ["--backend", backend, "--bytes", "8", "--calls", "20", "--json", str(out)],
+                   timeout=120, env={"PYTHONPATH": str(REPO_ROOT)})
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == backend
+    comm_us, raw_us = doc["kinds"]["comm"]["median_us"], doc["kinds"]["raw"]["median_us"]
+    assert math.isclose(doc["overhead_us"], comm_us - raw_us)
+    shown = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"), str(out)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert f"| comm | {comm_us:.1f} |" in shown
     kinds = {"gloo": ("comm", "raw", "work"), "mpi": ("comm", "raw")}[backend]
     lines = proc.stdout.splitlines()
     for kind in kinds:
@@ -416,3 +424,28 @@ def test_call_overhead_rejects_what_it_cannot_measure(argv: list[str], says: str
                            *argv], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+
+
+def test_plot_keeps_two_runs_of_the_same_sizes_apart(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install matplotlib)")
+    from gradcomm.bench.plot import plot_busbw
+
+    small = SweepResult({"date_utc": "2026-11-30T10:00:00+00:00"}, [_row(8), _row(1024)])
+    large = SweepResult({"date_utc": "2026-11-30T10:05:00+00:00"}, [_row(1 << 20)])
+    again = SweepResult({"date_utc": "2026-11-30T11:00:00+00:00"}, [_row(8), _row(1024)])
+    joined = plot_busbw([small, large], tmp_path / "a.png")  # different sizes: one line
+    assert [lb for lb in joined if lb.startswith("gradcomm")] == ["gradcomm gloo"]
+    third = SweepResult({"date_utc": "2026-11-30T12:00:00+00:00"}, [_row(8)])
+    apart = plot_busbw([small, large, again, third], tmp_path / "b.png")
+    assert [lb for lb in apart if lb.startswith("gradcomm")] == [
+        "gradcomm gloo (2026-11-30T10:00)", "gradcomm gloo (2026-11-30T11:00)",
+        "gradcomm gloo (2026-11-30T12:00)"]
+
+
+def test_report_reads_every_committed_result() -> None:
+    files = sorted((REPO_ROOT / "benchmarks" / "results").glob("*.json"))
+    assert files
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"),
+                           *map(str, files)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("### ") == len(files)

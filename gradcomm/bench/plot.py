@@ -35,7 +35,8 @@ def plot_busbw(
 
     One solid line per gradcomm backend and one dashed line per raw transport, for every
     (backend, world size, dtype, op) found in ``results``; the world size, dtype and op appear in
-    the labels only where the results differ in them.
+    the labels only where the results differ in them. Results that measure the same size for the
+    same backend are separate runs and get lines of their own, labelled with their date.
 
     Args:
         results: sweeps, e.g. from :func:`~gradcomm.bench.results.read_json` of several files.
@@ -55,25 +56,44 @@ def plot_busbw(
     rows = [row for res in results for row in res.rows]
     if not rows:
         raise ValueError("no sweep rows to plot")
+    # Results that measure the same size for the same (backend, ranks, dtype, op) are separate
+    # runs: they get lines of their own, labelled with their date, instead of one zigzag line.
+    # Results that cover different sizes (a small-message and a large-message sweep) join up.
+    run_of = []  # per result: the lowest run none of whose (backend, ..., size) it repeats
+    taken: dict[tuple[str, int, str, str, int], set[int]] = {}
+    for res in results:
+        keys = {(r.backend, r.world_size, r.type, r.redop, r.size) for r in res.rows}
+        run = 0
+        while any(run in taken.get(k, ()) for k in keys):
+            run += 1
+        run_of.append(run)
+        for k in keys:
+            taken.setdefault(k, set()).add(run)
+    many_runs = max(run_of) > 0
     vary = {
         "ranks": len({r.world_size for r in rows}) > 1,
         "type": len({r.type for r in rows}) > 1,
         "redop": len({r.redop for r in rows}) > 1,
     }
-    groups: dict[tuple[str, int, str, str], list[SweepRow]] = {}
-    for row in rows:
-        groups.setdefault((row.backend, row.world_size, row.type, row.redop), []).append(row)
+    groups: dict[tuple[str, int, str, str, int], list[SweepRow]] = {}
+    run_date: dict[int, str] = {}
+    for i, res in enumerate(results):
+        run_date.setdefault(run_of[i], str(res.meta.get("date_utc", f"run {run_of[i] + 1}")))
+        for row in res.rows:
+            key = (row.backend, row.world_size, row.type, row.redop, run_of[i])
+            groups.setdefault(key, []).append(row)
 
     fig = figure_cls(figsize=(8.0, 5.0))
     ax = fig.subplots()
     labels: list[str] = []
     for index, (key, group) in enumerate(sorted(groups.items())):
-        backend, world_size, dtype, redop = key
+        backend, world_size, dtype, redop, run = key
         group = sorted(group, key=lambda r: r.size)
         extra = [
             f"{world_size} ranks" if vary["ranks"] else "",
             dtype if vary["type"] else "",
             redop if vary["redop"] else "",
+            run_date[run][:16] if many_runs else "",
         ]
         suffix = ", ".join(e for e in extra if e)
         suffix = f" ({suffix})" if suffix else ""
