@@ -11,15 +11,14 @@ manner of ``cupyx.distributed``'s communicator base class.
 from __future__ import annotations
 
 import abc
-import contextlib
 import itertools
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from .types import ReduceOp, Support
-from .work import CompletedWork, Work
+from .work import CompletedWork, Work, writing_into
 
 __all__ = ["Communicator", "CollectiveObserver"]
 
@@ -61,13 +60,6 @@ def _check_writable(tensor: torch.Tensor, opname: str) -> None:
         )
 
 
-def writing_into(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
-    """Context for writing a result into the caller's ``tensor`` in place: ``torch.no_grad()``
-    (a leaf that requires grad accepts it there), or ``torch.inference_mode()`` for an inference
-    tensor (which accepts in-place updates nowhere else)."""
-    return torch.inference_mode() if tensor.is_inference() else torch.no_grad()
-
-
 def _plain(tensor: torch.Tensor, written_by: str | None = None) -> torch.Tensor:
     """``tensor`` itself when a transport can use its memory as it is; else a contiguous copy.
 
@@ -91,7 +83,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory of two contiguous tensors overlaps (by address, so also for separate
     storages over one buffer, e.g. two ``torch.from_numpy`` views of one array)."""
     a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -483,10 +475,9 @@ class Communicator(abc.ABC):
 
     @staticmethod
     def _finish(work: Work, async_op: bool, target: torch.Tensor) -> Work:
-        """Wait unless ``async_op``; callbacks writing into an inference tensor ``target`` will
-        run in inference mode (the only place it takes in-place updates)."""
-        if work._callbacks and target.is_inference():
-            work._inference = True
+        """Wait unless ``async_op``; callbacks write into ``target`` (see :func:`writing_into`)."""
+        if work._callbacks:
+            work._target = target
         if not async_op:
             work.wait()
         return work

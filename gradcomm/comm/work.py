@@ -10,13 +10,22 @@ which run exactly once, in the order they were added, on the thread that observe
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .errors import CollectiveTimeoutError
 
-__all__ = ["Work", "CompletedWork"]
+__all__ = ["Work", "CompletedWork", "writing_into"]
+
+
+def writing_into(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """Context for writing a result into the caller's ``tensor`` in place: ``torch.no_grad()``
+    (a leaf that requires grad accepts it there), or ``torch.inference_mode()`` for an inference
+    tensor (which accepts in-place updates nowhere else)."""
+    return torch.inference_mode() if tensor.is_inference() else torch.no_grad()
 
 
 class Work(abc.ABC):
@@ -33,10 +42,9 @@ class Work(abc.ABC):
         self.timeout = timeout
         self._done = False
         self._callbacks: list[Callable[[], object]] = []
-        # Callbacks write results into the caller's tensors: outside autograd (torch.no_grad, so
-        # a leaf that requires grad can take them), or in inference mode when the tensor is an
-        # inference tensor (which takes in-place updates nowhere else); see the Communicator.
-        self._inference = False
+        # The caller's tensor that callbacks write results into (set by the Communicator): they
+        # run in writing_into(it), else under torch.no_grad().
+        self._target: torch.Tensor | None = None
 
     # Backends implement these two.
     @abc.abstractmethod
@@ -98,7 +106,8 @@ class Work(abc.ABC):
         self._done = True
         callbacks, self._callbacks = self._callbacks, []
         if callbacks:
-            with torch.inference_mode() if self._inference else torch.no_grad():
+            target = self._target
+            with torch.no_grad() if target is None else writing_into(target):
                 for fn in callbacks:
                     fn()
 

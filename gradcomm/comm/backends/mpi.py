@@ -566,7 +566,6 @@ class MPICommunicator(Communicator):
             # A raw view of the tensor's memory (the Work keeps the tensor alive): ~0.2 us per
             # call against ~0.5 us for wire.numpy(), whose cost grew to ~6 us per 1 MiB call
             # between collectives (benchmarks/call_overhead.py).
-            nbytes = wire.numel() * wire.element_size()
-            return _MPI_BUFFER.fromaddress(wire.data_ptr(), nbytes), None
+            return _MPI_BUFFER.fromaddress(wire.data_ptr(), wire.nbytes), None
         buf, finish = self._adapter.prepare(wire, read=read, write=write)
         return buf, finish

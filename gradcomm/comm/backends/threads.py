@@ -16,9 +16,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from ..communicator import Communicator, writing_into
+from ..communicator import Communicator
 from ..types import ReduceOp, Support, SupportLevel
-from ..work import Work
+from ..work import Work, writing_into
 
 __all__ = ["ThreadGroup", "ThreadCommunicator"]
 
