@@ -22,6 +22,7 @@ from mpi_scripts.collective_checks import (
 import gradcomm
 from gradcomm.comm import CollectiveTimeoutError, Communicator, ReduceOp, SupportLevel
 from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm.work import Description
 
 from dist_utils import run_processes
 
@@ -260,6 +261,44 @@ def test_thread_backend_timeout() -> None:
         return "timed out"
 
     assert group.run(body) == ["timed out", "idle"]
+
+
+def test_work_descriptions_name_each_collective_and_are_formatted_only_when_read() -> None:
+    reads: list[int] = []
+
+    class CountingOp:
+        @property
+        def name(self) -> str:
+            reads.append(1)
+            return "SUM"
+
+    d = Description("all_reduce", 3, 1024, " torch.float32 on cpu (mpi, rank 0/2)",
+                    CountingOp(), "bucket 0")
+    assert reads == []  # building one formats nothing
+    text = "all_reduce #3 SUM bucket 0 of 1024 torch.float32 on cpu (mpi, rank 0/2)"
+    assert str(d) == text and str(d) == text and repr(d) == repr(text)
+    assert reads == [1]  # formatted once
+    assert str(Description("broadcast", 0, 5, " torch.int64 on cpu", "src=1")) == (
+        "broadcast #0 src=1 of 5 torch.int64 on cpu")
+
+    group = ThreadGroup(2, timeout=30)
+
+    def body(comm: Communicator) -> list[str]:
+        works = [comm.all_reduce(torch.ones(4), ReduceOp.MAX, async_op=True, label="bucket 7"),
+                 comm.broadcast(torch.ones(3), src=1, async_op=True),
+                 comm.all_gather(torch.empty(4), torch.ones(2), async_op=True),
+                 comm.all_reduce(torch.ones(2, 3)[:, 0], async_op=True)]
+        for w in works:
+            w.wait()
+        return [w.description for w in works]
+
+    for rank, descriptions in enumerate(group.run(body)):
+        tail = f" torch.float32 on cpu (threads, rank {rank}/2)"
+        assert descriptions == [f"all_reduce #0 MAX bucket 7 of 4{tail}",
+                                f"broadcast #1 src=1 of 3{tail}",
+                                f"all_gather #2 of 2{tail}",
+                                f"all_reduce #3 SUM of 2{tail}"]
+        assert all(type(d) is str for d in descriptions)
 
 
 def test_reduce_op_coerce() -> None:

@@ -45,7 +45,7 @@ from ..errors import BackendUnavailableError
 from ..launcher import LaunchInfo
 from ..rendezvous import create_store
 from ..types import ReduceOp, Support, SupportLevel
-from ..work import Work
+from ..work import DescriptionLike, Work
 from .nccl import NCCL_REDUCE_OPS, check_same_device, nccl_support, resolve_cuda_device
 
 __all__ = ["CudaEventWork", "CupyNCCLCommunicator", "as_tensor", "cupy_nccl_unavailable"]
@@ -119,7 +119,7 @@ class CudaEventWork(Work):
     def __init__(
         self,
         event: Any,
-        description: str,
+        description: DescriptionLike,
         timeout: float | None,
         check_error: Callable[[], None],
         on_timeout: Callable[[], None],
@@ -278,7 +278,7 @@ class CupyNCCLCommunicator(Communicator):
         return tail
 
     # ------------------------------------------------------------------ collectives
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
         comm = self._live()
         stream = torch.cuda.current_stream(self.device)
         nccl_op = self._ops.get(op, self._ops[ReduceOp.SUM])  # AVG on NCCL < 2.10: SUM + div
@@ -291,7 +291,7 @@ class CupyNCCLCommunicator(Communicator):
                 tensor.div_(self.world_size)
         return self._record(stream, description)
 
-    def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
+    def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
         comm = self._live()
         stream = torch.cuda.current_stream(self.device)
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -299,7 +299,11 @@ class CupyNCCLCommunicator(Communicator):
             comm.broadcast(ptr, ptr, nbytes, self._nccl_mod.NCCL_UINT8, src, stream.cuda_stream)
         return self._record(stream, description)
 
-    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
+    def _all_gather(
+
+        self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
+
+    ) -> Work:
         comm = self._live()
         stream = torch.cuda.current_stream(self.device)
         nbytes = input.numel() * input.element_size()
@@ -310,7 +314,7 @@ class CupyNCCLCommunicator(Communicator):
             )
         return self._record(stream, description)
 
-    def _barrier(self, description: str) -> Work:
+    def _barrier(self, description: DescriptionLike) -> Work:
         # An all-reduce of one element; the caching allocator keeps it alive on this stream.
         return self._all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, description)
 
@@ -327,10 +331,10 @@ class CupyNCCLCommunicator(Communicator):
             raise RuntimeError("cupy-nccl communicator was aborted after a timed-out collective")
         return self._comm
 
-    def _record(self, stream: torch.cuda.Stream, description: str) -> Work:
+    def _record(self, stream: torch.cuda.Stream, description: DescriptionLike) -> Work:
         event = torch.cuda.Event()
         event.record(stream)
-        return CudaEventWork(event, description, self.timeout, self._check_async, self._abort)
+        return CudaEventWork(event, description, self._timeout, self._check_async, self._abort)
 
     def _check_async(self) -> None:
         comm = self._comm

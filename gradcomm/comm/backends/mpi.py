@@ -69,7 +69,7 @@ from ..errors import BackendUnavailableError
 from ..launcher import Launcher, LaunchInfo, cpus_per_local_process
 from ..mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
 from ..types import ReduceOp, Support, SupportLevel
-from ..work import Work
+from ..work import DescriptionLike, Work
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpi4py import MPI as MPIModule
@@ -161,7 +161,7 @@ class MPIWork(Work):
     def __init__(
         self,
         request: MPI.Request,
-        description: str,
+        description: DescriptionLike,
         timeout: float | None,
         keepalive: tuple[object, ...] = (),
         on_timeout: Callable[[str], None] | None = None,
@@ -451,29 +451,39 @@ class MPICommunicator(Communicator):
         return Support(SupportLevel.UNSUPPORTED, f"the mpi backend cannot reduce {dtype}")
 
     # ------------------------------------------------------------------ collectives
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
-        comm = self._live_comm()
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
+        comm = self._comm
+        if comm is None or self._broken is not None:
+            comm = self._live_comm()  # raises
+        dtype = tensor.dtype
+        # The common case -- a float32/float64/int tensor on the host, SUM -- makes no Python
+        # call before the post: each costs ~1 us between two 1 MiB all-reduces, whose traffic
+        # leaves the caches cold (benchmarks/call_overhead.py).
+        datatype = self._datatypes.get(dtype)
+        if (datatype is not None and op is ReduceOp.SUM and dtype is not torch.bool
+                and self._adapter is None):
+            buf = _MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
+            request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], MPI.SUM)
+            # One Test() at once: a peer already waiting gets this rank's first message now,
+            # not after the Python that wraps the request (MPI advances only inside MPI calls).
+            request.Test()
+            return MPIWork(request, description, self._timeout, (tensor, buf), self._mark_broken)
         flat = tensor if tensor.dim() == 1 else tensor.view(-1)
         scratch: torch.Tensor | None = None
-        if tensor.dtype in _HALF and self._half_user_op(op):
+        if dtype in _HALF and self._half_user_op(op):
             wire = flat.view(torch.int16)
-            mpi_op, datatype = _half_op(tensor.dtype, op), MPI.INT16_T
+            mpi_op, datatype = _half_op(dtype, op), MPI.INT16_T
         else:
-            if tensor.dtype in _HALF:
+            if dtype in _HALF:
                 scratch = self._scratch.take(flat.numel(), flat.device)
                 wire = scratch[: flat.numel()]
                 wire.copy_(flat)
             else:
                 wire = flat
-            if op is ReduceOp.SUM and wire.dtype != torch.bool:  # the gradient path: no lookup
-                mpi_op = MPI.SUM
-            else:
-                mpi_op = (_BOOL_OPS if wire.dtype == torch.bool else _MPI_OPS)[op]
+            mpi_op = (_BOOL_OPS if wire.dtype == torch.bool else _MPI_OPS)[op]
             datatype = self._datatype(wire.dtype)
         buf, finish = self._prepare(wire)
         request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], mpi_op)
-        # One Test() at once: a peer already waiting gets this rank's first message now, not
-        # after the Python that wraps the request (MPI advances only inside MPI calls).
         request.Test()
         work = self._work(request, description, (tensor, wire, buf))
         if finish is not None:
@@ -488,7 +498,7 @@ class MPICommunicator(Communicator):
             work.add_callback(_round_back)
         return work
 
-    def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
+    def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
         comm = self._live_comm()
         wire = flat_bytes(tensor)
         buf, finish = self._prepare(wire)
@@ -497,7 +507,11 @@ class MPICommunicator(Communicator):
             work.add_callback(finish)
         return work
 
-    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
+    def _all_gather(
+
+        self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
+
+    ) -> Work:
         comm = self._live_comm()
         send, finish_send = self._prepare(flat_bytes(input), write=False)
         recv, finish_recv = self._prepare(flat_bytes(output), read=False)
@@ -508,7 +522,7 @@ class MPICommunicator(Communicator):
                 work.add_callback(finish)
         return work
 
-    def _barrier(self, description: str) -> Work:
+    def _barrier(self, description: DescriptionLike) -> Work:
         return self._work(self._live_comm().Ibarrier(), description, ())
 
     def _close(self) -> None:
@@ -542,8 +556,13 @@ class MPICommunicator(Communicator):
         if self._broken is None:
             self._broken = description
 
-    def _work(self, request: MPI.Request, description: str, keepalive: tuple[object, ...]) -> Work:
-        return MPIWork(request, description, self.timeout, keepalive, self._mark_broken)
+    def _work(
+        self,
+        request: MPI.Request,
+        description: DescriptionLike,
+        keepalive: tuple[object, ...],
+    ) -> Work:
+        return MPIWork(request, description, self._timeout, keepalive, self._mark_broken)
 
     def _datatype(self, dtype: torch.dtype) -> MPI.Datatype:
         found = self._datatypes.get(dtype)

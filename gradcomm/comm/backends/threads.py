@@ -18,7 +18,7 @@ import torch
 
 from ..communicator import Communicator
 from ..types import ReduceOp, Support, SupportLevel
-from ..work import Work, writing_into
+from ..work import DescriptionLike, Work, writing_into
 
 __all__ = ["ThreadGroup", "ThreadCommunicator"]
 
@@ -31,7 +31,12 @@ _REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] 
 
 
 class _FutureWork(Work):
-    def __init__(self, future: Future[None], description: str, timeout: float | None) -> None:
+    def __init__(
+        self,
+        future: Future[None],
+        description: DescriptionLike,
+        timeout: float | None,
+    ) -> None:
         super().__init__(description, timeout)
         self._future = future
 
@@ -136,16 +141,16 @@ class ThreadCommunicator(Communicator):
             return Support(SupportLevel.UNSUPPORTED, "the threads backend is CPU-only")
         return Support(SupportLevel.NATIVE, "", dtype)
 
-    def _submit(self, fn: Callable[[], None], description: str) -> Work:
+    def _submit(self, fn: Callable[[], None], description: DescriptionLike) -> Work:
         def guarded() -> None:
             try:
                 fn()
             except threading.BrokenBarrierError as exc:
                 raise TimeoutError(f"{description}: another rank did not arrive") from exc
 
-        return _FutureWork(self._worker.submit(guarded), description, self.timeout)
+        return _FutureWork(self._worker.submit(guarded), description, self._timeout)
 
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
         reduce = _REDUCERS[op]
 
         def run() -> None:
@@ -158,7 +163,7 @@ class ThreadCommunicator(Communicator):
 
         return self._submit(run, description)
 
-    def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
+    def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
         def run() -> None:
             parts = self.group._exchange(self.rank, tensor.clone())
             with writing_into(tensor):
@@ -166,7 +171,11 @@ class ThreadCommunicator(Communicator):
 
         return self._submit(run, description)
 
-    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
+    def _all_gather(
+
+        self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
+
+    ) -> Work:
         def run() -> None:
             parts = self.group._exchange(self.rank, input.clone())
             with writing_into(output):
@@ -174,7 +183,7 @@ class ThreadCommunicator(Communicator):
 
         return self._submit(run, description)
 
-    def _barrier(self, description: str) -> Work:
+    def _barrier(self, description: DescriptionLike) -> Work:
         def run() -> None:
             self.group._exchange(self.rank, torch.zeros(0))
 

@@ -20,7 +20,7 @@ from ..communicator import Communicator, flat_bytes
 from ..launcher import LaunchInfo
 from ..rendezvous import create_store
 from ..types import ReduceOp
-from ..work import Work
+from ..work import DescriptionLike, Work
 
 __all__ = ["TorchWork", "TorchDistCommunicator"]
 
@@ -56,7 +56,12 @@ def _close_if_alive(ref: weakref.ref[Communicator]) -> None:
 class TorchWork(Work):
     """Wraps a :class:`torch.distributed.Work`; its timeout errors become TimeoutError."""
 
-    def __init__(self, work: dist.Work, description: str, timeout: float | None) -> None:
+    def __init__(
+        self,
+        work: dist.Work,
+        description: DescriptionLike,
+        timeout: float | None,
+    ) -> None:
         super().__init__(description, timeout)
         self._work = work
 
@@ -113,10 +118,10 @@ class TorchDistCommunicator(Communicator):
         """The underlying process group (None when world_size is 1)."""
         return self._group
 
-    def _wrap(self, work: dist.Work | None, description: str) -> Work:
+    def _wrap(self, work: dist.Work | None, description: DescriptionLike) -> Work:
         if work is None:  # pragma: no cover - async_op=True always returns a Work
             raise RuntimeError(f"{description}: torch.distributed returned no Work")
-        return TorchWork(work, description, self.timeout)
+        return TorchWork(work, description, self._timeout)
 
     # The process group's own methods: they need no registration in torch's default world
     # (the functional ``dist.broadcast`` refuses unregistered groups).
@@ -125,21 +130,30 @@ class TorchDistCommunicator(Communicator):
             raise RuntimeError(f"{self.backend} communicator has no process group")
         return self._group
 
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: str) -> Work:
-        return self._wrap(self._pg().allreduce([tensor], _reduce_options(op)), description)
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
+        # No helper calls on this path (the group's own check, then TorchWork): each Python call
+        # costs ~1 us right after a collective (benchmarks/call_overhead.py).
+        group = self._group
+        if group is None:  # pragma: no cover - world_size 1 never reaches a collective
+            group = self._pg()
+        return TorchWork(group.allreduce([tensor], _reduce_options(op)), description, self._timeout)
 
     # broadcast and all_gather move bytes, so they go as uint8 views: any dtype works (gloo
     # rejects uint16/32/64, float8 and, for all_gather, complex with "Invalid scalar type").
-    def _broadcast(self, tensor: torch.Tensor, src: int, description: str) -> Work:
+    def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         return self._wrap(self._pg().broadcast([flat_bytes(tensor)], opts), description)
 
-    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, description: str) -> Work:
+    def _all_gather(
+
+        self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
+
+    ) -> Work:
         chunks = list(flat_bytes(output).chunk(self.world_size))
         return self._wrap(self._pg().allgather([chunks], [flat_bytes(input)]), description)
 
-    def _barrier(self, description: str) -> Work:
+    def _barrier(self, description: DescriptionLike) -> Work:
         # An all-reduce of one element: the same on every process group type.
         token = torch.zeros(1, device=self.device)
         return self._wrap(self._pg().allreduce([token], _reduce_options(ReduceOp.SUM)), description)
