@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
@@ -38,6 +39,7 @@ from gradcomm.hooks import (
     default_predivide_factor,
     resolve_first_bucket_cap_mb,
 )
+from gradcomm.hooks._structure import StructureWatch
 
 
 def run_ranks(world_size: int, fn: Callable[[ThreadCommunicator], Any],
@@ -135,6 +137,100 @@ def test_copies_of_a_wrapped_module_are_local_modules() -> None:
     assert grads_close(out[0]["wrapped"], ref) == []
     assert_identical([r["wrapped"] for r in out])
     assert not torch.equal(out[0]["copied"]["fc1.weight"], out[1]["copied"]["fc1.weight"])
+
+
+def test_module_is_walked_again_only_after_torch_registers_something() -> None:
+    # The forward pre-hook walks module.named_parameters() (2/3 of its cost) only after torch's
+    # global registration hooks saw a parameter, buffer or submodule registered; unfreezing, which
+    # registers nothing, is caught on every forward without a walk.
+    def fn(comm: ThreadCommunicator) -> dict[str, Any]:
+        model = eval_bn(make_model())
+        model.head_b.requires_grad_(False)
+        GradientReducer(model, comm)
+        walks: list[int] = []
+        named_parameters = model.named_parameters
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            walks.append(1)
+            return named_parameters(*args, **kwargs)
+
+        model.named_parameters = counting  # type: ignore[method-assign]
+        out: dict[str, Any] = {}
+        for _ in range(3):
+            loss_fn(model, *batch(comm.rank)).backward()
+        out["steps"] = len(walks)
+        nn.Linear(2, 2)  # registers parameters on some other module: one walk more
+        model.bn.register_buffer("extra", torch.zeros(1))  # a new buffer: checked from now on
+        loss_fn(model, *batch(comm.rank)).backward()
+        loss_fn(model, *batch(comm.rank)).backward()
+        out["after_registration"] = len(walks)
+        model.head_b.requires_grad_(True)
+        try:
+            loss_fn(model, *batch(comm.rank)).backward()
+        except RuntimeError as exc:
+            out["unfrozen"] = str(exc)
+        out["after_unfreezing"] = len(walks)
+        model.head_b.requires_grad_(False)
+        model.bn.extra = torch.ones(1)  # a buffer registered after wrapping, then replaced
+        try:
+            loss_fn(model, *batch(comm.rank)).backward()
+        except RuntimeError as exc:
+            out["replaced"] = str(exc)
+        return out
+
+    (out,) = run_ranks(1, fn)
+    assert not isinstance(out, Exception), out
+    assert out["steps"] == 1 and out["after_registration"] == 2, out
+    assert out["after_unfreezing"] == 2, out
+    assert "parameter head_b.weight was added, replaced or unfrozen" in out["unfrozen"], out
+    assert "buffer bn.extra was replaced" in out["replaced"], out
+
+
+def test_structure_watch_sees_registrations_until_closed_or_collected() -> None:
+    watch = StructureWatch()
+    assert watch.changed  # nothing checked yet
+    for register in (lambda: nn.Linear(1, 1), lambda: nn.Sequential().add_module("a", nn.ReLU()),
+                     lambda: nn.BatchNorm1d(1).register_buffer("b", torch.zeros(1))):
+        watch.changed = False
+        register()
+        assert watch.changed
+    watch.close()
+    watch.close()  # idempotent
+    watch.changed = False
+    nn.Linear(1, 1)
+    assert not watch.changed
+
+
+def test_a_reducer_lives_as_long_as_what_it_wraps() -> None:
+    # Wrapping a module: dropped with it, without remove() (torch does not show tensor hooks to
+    # the garbage collector, so strong references from the gradient hooks kept both alive for
+    # good), and its registration watch is closed. Built from parameters: nothing else holds it,
+    # so the hooks keep it alive and it goes on reducing.
+    comm = ThreadGroup(1).communicator(0)
+    model = nn.Linear(2, 2)
+    reducer = GradientReducer(model, comm)
+    refs, its_watch = (weakref.ref(reducer), weakref.ref(model)), reducer._watch
+    assert its_watch is not None
+    del reducer, model
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    its_watch.changed = False
+    nn.Linear(1, 1)
+    assert not its_watch.changed
+
+    ref = reference_grads(2)
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        model = eval_bn(make_model())
+        GradientReducer(model.named_parameters(), comm)  # the reducer object is not kept
+        gc.collect()
+        loss_fn(model, *batch(comm.rank)).backward()
+        return grads_of(model)
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    assert grads_close(out[0], ref) == []
+    assert_identical(out)
 
 
 def test_overlap_equals_end_of_backward_bit_for_bit() -> None:

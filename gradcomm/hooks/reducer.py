@@ -31,7 +31,7 @@ import contextlib
 import logging
 import math
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.communicator import Communicator
 from ..comm.errors import CollectiveTimeoutError
 from ..comm.work import Work
+from ._structure import StructureWatch
 from ._sync import broadcast_tensors, check_fingerprint
 from .comm_hooks import CommHook, CommHookFn, GradBucket, resolve_comm_hook
 
@@ -184,6 +185,22 @@ class _ForwardPreHook:
 
     def __reduce__(self) -> tuple[type[_InertHook], tuple[()]]:
         return (_InertHook, ())
+
+
+#: How a parameter's gradient hook finds its reducer (see :func:`_on_grad_ready`).
+_ReducerRef = Callable[[], "GradientReducer | None"]
+
+
+class _StrongRef:
+    """Called like a weak reference, but keeps the reducer alive (see :func:`_on_grad_ready`)."""
+
+    __slots__ = ("_reducer",)
+
+    def __init__(self, reducer: GradientReducer) -> None:
+        self._reducer = reducer
+
+    def __call__(self) -> GradientReducer:
+        return self._reducer
 
 
 class _Bucket:
@@ -434,10 +451,15 @@ class GradientReducer:
 
         # ---- what to watch for replacement after wrapping
         self._owners: list[tuple[str, dict[str, Any], str, torch.Tensor]] = []
+        self._frozen: list[tuple[str, torch.Tensor]] = []  # may be unfrozen later
         self._param_ids = frozenset(id(p) for p in self._params)
         self._layouts = [(p.dtype, p.shape) for p in self._params]  # what the buckets hold
+        self._watch: StructureWatch | None = None
         if self._module is not None:
             self._owners = self._ownership()
+            self._frozen = [(n, p) for n, p in named if not p.requires_grad]
+            self._watch = StructureWatch()
+            weakref.finalize(self, self._watch.close)
 
         # ---- per-backward state
         self._require_sync = True
@@ -449,8 +471,11 @@ class GradientReducer:
         self._checked = False  # module checked for replaced params since the last backward
         self._token: weakref.ref[_BackwardEnd] = weakref.ref(_BackwardEnd(self))  # dead
 
+        ref: _ReducerRef = (
+            _StrongRef(self) if self._module is None else weakref.ref(self)
+        )
         self._handles: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
+            p.register_post_accumulate_grad_hook(partial(_on_grad_ready, ref, i))
             for i, p in enumerate(self._params)
         ]
         if self._module is not None:
@@ -531,6 +556,8 @@ class GradientReducer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._watch is not None:
+            self._watch.close()
         self._removed = True
 
     def __repr__(self) -> str:
@@ -591,19 +618,34 @@ class GradientReducer:
                     "its gradient would not be reduced (ranks would drift apart); change the model "
                     "before wrapping it, or call reducer.remove() and build a new GradientReducer"
                 )
-        if self._module is None:
+        if self._module is None or self._watch is None:
             return
-        # A submodule replaced or added, or a parameter unfrozen, after wrapping: its parameters
-        # are not in the old modules' tables above, and their gradients would stay local.
+        # A parameter unfrozen, or a submodule or parameter added or replaced, after wrapping: its
+        # gradient would stay local. Unfreezing keeps the registered object, so it is checked
+        # here; anything registered shows in the watch, and only then is the module walked.
+        for name, frozen in self._frozen:
+            if frozen.requires_grad:
+                self._raise_unreduced(name)
+        if not self._watch.changed:
+            return
         known = self._param_ids
-        for name, p in self._module.named_parameters():
-            if p.requires_grad and id(p) not in known:
-                raise RuntimeError(
-                    f"parameter {name} was added, replaced or unfrozen on the module after the "
-                    "GradientReducer was built, so its gradient would not be reduced (ranks would "
-                    "drift apart); change the model before wrapping it, or call reducer.remove() "
-                    "and build a new GradientReducer"
-                )
+        named = list(self._module.named_parameters())
+        for name, t in named:
+            if t.requires_grad and id(t) not in known:
+                self._raise_unreduced(name)
+        # Only frozen parameters or buffers were added or replaced: watch them from now on.
+        self._owners = self._ownership()
+        self._frozen = [(n, t) for n, t in named if not t.requires_grad]
+        self._watch.changed = False
+
+    @staticmethod
+    def _raise_unreduced(name: str) -> None:
+        raise RuntimeError(
+            f"parameter {name} was added, replaced or unfrozen on the module after the "
+            "GradientReducer was built, so its gradient would not be reduced (ranks would "
+            "drift apart); change the model before wrapping it, or call reducer.remove() "
+            "and build a new GradientReducer"
+        )
 
     # ------------------------------------------------------------------ forward
     def _on_forward(self, module: nn.Module, args: Any) -> None:
@@ -622,46 +664,6 @@ class GradientReducer:
             self._abort_epoch()
 
     # ------------------------------------------------------------------ backward
-    def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
-        if not self._require_sync or self._removed:
-            return
-        grad = param.grad
-        if grad is not None and grad.layout is not torch.strided:
-            raise TypeError(f"parameter {self._names[pid]} has a {grad.layout} gradient; "
-                            "gradcomm reduces dense gradients only (use sparse=False)")
-        # Runs once per parameter per backward: the checks of _discard_if_stale and _poll are
-        # inlined so that the common case calls nothing.
-        if self._epoch_active and self._token() is None:
-            self._discard_if_stale()
-        if not self._epoch_active:
-            self._begin_epoch()
-        bidx, slot = self._loc[pid]
-        bucket = self._buckets[bidx]
-        if self._ready[pid]:
-            if bucket.work is not None:
-                self._abort_epoch()
-                raise RuntimeError(
-                    f"the gradient of {self._names[pid]} was accumulated again after "
-                    f"{bucket.label()} was sent in this backward pass; this happens when a "
-                    "parameter is used both inside and outside a reentrant activation checkpoint "
-                    "(use torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
-                )
-            self._stage(bucket, slot)  # accumulated again before the bucket left: copy again
-            return
-        self._ready[pid] = True
-        self._stage(bucket, slot)
-        bucket.pending -= 1
-        if self._overlap and bucket.pending == 0 and bidx == self._next:
-            try:
-                while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-                    self._launch(self._buckets[self._next])
-                    self._next += 1
-            except BaseException:
-                self._abort_epoch()
-                raise
-        if self._polled < self._next:
-            self._poll()
-
     def _begin_epoch(self) -> None:
         if not self._checked:
             self._check_unchanged()
@@ -829,6 +831,58 @@ class GradientReducer:
                                        "waiting for the buckets after it", b.label(), exc)
                         break
         self._reset_epoch()
+
+
+def _on_grad_ready(ref: _ReducerRef, pid: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of parameter ``pid``: stage its gradient, launch ready buckets.
+
+    ``ref()`` gives the reducer: a weak reference when it wraps a module (whose forward hook
+    keeps it alive), because torch does not show a tensor's hooks to Python's garbage collector
+    and a strong reference here would keep every reducer and module dropped without ``remove()``
+    alive for good; a :class:`_StrongRef` when it was built from parameters (nothing else holds
+    it). A function, not a method, so that the lookup costs no extra Python call on this path
+    (it runs once per parameter per backward).
+    """
+    reducer = ref()
+    if reducer is None or not reducer._require_sync or reducer._removed:
+        return
+    grad = param.grad
+    if grad is not None and grad.layout is not torch.strided:
+        raise TypeError(f"parameter {reducer._names[pid]} has a {grad.layout} gradient; "
+                        "gradcomm reduces dense gradients only (use sparse=False)")
+    # Runs once per parameter per backward: the checks of _discard_if_stale and _poll are
+    # inlined so that the common case calls nothing.
+    if reducer._epoch_active and reducer._token() is None:
+        reducer._discard_if_stale()
+    if not reducer._epoch_active:
+        reducer._begin_epoch()
+    bidx, slot = reducer._loc[pid]
+    bucket = reducer._buckets[bidx]
+    if reducer._ready[pid]:
+        if bucket.work is not None:
+            reducer._abort_epoch()
+            raise RuntimeError(
+                f"the gradient of {reducer._names[pid]} was accumulated again after "
+                f"{bucket.label()} was sent in this backward pass; this happens when a "
+                "parameter is used both inside and outside a reentrant activation checkpoint "
+                "(use torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
+            )
+        reducer._stage(bucket, slot)  # accumulated again before the bucket left: copy again
+        return
+    reducer._ready[pid] = True
+    reducer._stage(bucket, slot)
+    bucket.pending -= 1
+    if reducer._overlap and bucket.pending == 0 and bidx == reducer._next:
+        try:
+            buckets = reducer._buckets
+            while reducer._next < len(buckets) and buckets[reducer._next].pending == 0:
+                reducer._launch(buckets[reducer._next])
+                reducer._next += 1
+        except BaseException:
+            reducer._abort_epoch()
+            raise
+    if reducer._polled < reducer._next:
+        reducer._poll()
 
 
 def apply_gradient_allreduce(module: nn.Module, comm: Communicator | None = None) -> nn.Module:

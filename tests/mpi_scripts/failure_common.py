@@ -369,6 +369,9 @@ def run_replaced(comm: gradcomm.Communicator) -> Result:
         if what == "unfrozen":
             model.head_b.requires_grad_(False)
         reducer = GradientReducer(model, comm)
+        # One step first: the reducer has then checked the module once and relies on torch's
+        # registration hooks (gradcomm.hooks._structure) to notice what changes after it.
+        loss_fn(model, *batch(comm.rank)).backward()
         _replace(model, what)
         dtype = torch.float64 if what == "retyped" else torch.float32
         out[what] = error_of(lambda m=model, d=dtype: loss_fn(m, *batch(comm.rank, dtype=d))
