@@ -186,7 +186,7 @@ def test_module_is_walked_again_only_after_torch_registers_something() -> None:
     assert "buffer bn.extra was replaced" in out["replaced"], out
 
 
-def test_structure_watch_sees_registrations_until_closed_or_collected() -> None:
+def test_structure_watch_sees_registrations_until_closed() -> None:
     watch = StructureWatch()
     assert watch.changed  # nothing checked yet
     for register in (lambda: nn.Linear(1, 1), lambda: nn.Sequential().add_module("a", nn.ReLU()),

@@ -236,13 +236,9 @@ class Communicator(abc.ABC):
                 elements share memory (``expand()``).
             RuntimeError: the communicator is closed.
         """
-        # The common path (a ReduceOp, an open communicator, a contiguous tensor) makes as few
-        # Python calls as it can: between two 1 MiB collectives each costs ~1 us, not the ~0.1 us
-        # it costs warm (benchmarks/call_overhead.py).
-        if op.__class__ is not ReduceOp:
+        if op.__class__ is not ReduceOp:  # the common case skips a classmethod call
             op = ReduceOp.coerce(op)
-        if self._closed:
-            self._check_open()
+        self._check_open()
         tail = self._check_tensor(tensor, "all_reduce")
         if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(
@@ -253,8 +249,7 @@ class Communicator(abc.ABC):
         if self._world_size == 1 or numel == 0:
             _check_writable(tensor, "all_reduce")
             return CompletedWork()
-        plain = tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj()
-        buf = tensor if plain else _plain(tensor, "all_reduce")  # the test _plain makes
+        buf = _plain(tensor, "all_reduce")
         desc = Description("all_reduce", next(self._seq), numel, tail, op, label)
         done = (
             None
@@ -271,11 +266,7 @@ class Communicator(abc.ABC):
             work.add_callback(done)
         if buf is not tensor:
             work.add_callback(lambda: tensor.copy_(buf))
-        if work._callbacks:
-            work._target = tensor
-        if not async_op:
-            work.wait()
-        return work
+        return self._finish(work, async_op, tensor)
 
     def _emulated_avg(self, buf: torch.Tensor, desc: DescriptionLike) -> Work:
         """AVG as SUM then divide. 16-bit floats are summed in float32 and rounded once at the

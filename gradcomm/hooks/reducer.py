@@ -31,7 +31,7 @@ import contextlib
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -456,8 +456,7 @@ class GradientReducer:
         self._layouts = [(p.dtype, p.shape) for p in self._params]  # what the buckets hold
         self._watch: StructureWatch | None = None
         if self._module is not None:
-            self._owners = self._ownership()
-            self._frozen = [(n, p) for n, p in named if not p.requires_grad]
+            self._watch_entries(named)
             self._watch = StructureWatch()
             weakref.finalize(self, self._watch.close)
 
@@ -633,10 +632,14 @@ class GradientReducer:
         for name, t in named:
             if t.requires_grad and id(t) not in known:
                 self._raise_unreduced(name)
-        # Only frozen parameters or buffers were added or replaced: watch them from now on.
+        self._watch_entries(named)  # only frozen parameters or buffers came: watch them too
+        self._watch.changed = False
+
+    def _watch_entries(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Record what the forward check compares against: every reduced parameter and buffer
+        in its module's table, and the frozen parameters (``named``: the module's)."""
         self._owners = self._ownership()
         self._frozen = [(n, t) for n, t in named if not t.requires_grad]
-        self._watch.changed = False
 
     @staticmethod
     def _raise_unreduced(name: str) -> None:

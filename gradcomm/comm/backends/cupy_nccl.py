@@ -300,9 +300,7 @@ class CupyNCCLCommunicator(Communicator):
         return self._record(stream, description)
 
     def _all_gather(
-
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
-
     ) -> Work:
         comm = self._live()
         stream = torch.cuda.current_stream(self.device)

@@ -452,22 +452,8 @@ class MPICommunicator(Communicator):
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
-        comm = self._comm
-        if comm is None or self._broken is not None:
-            comm = self._live_comm()  # raises
+        comm = self._live_comm()
         dtype = tensor.dtype
-        # The common case -- a float32/float64/int tensor on the host, SUM -- makes no Python
-        # call before the post: each costs ~1 us between two 1 MiB all-reduces, whose traffic
-        # leaves the caches cold (benchmarks/call_overhead.py).
-        datatype = self._datatypes.get(dtype)
-        if (datatype is not None and op is ReduceOp.SUM and dtype is not torch.bool
-                and self._adapter is None):
-            buf = _MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
-            request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], MPI.SUM)
-            # One Test() at once: a peer already waiting gets this rank's first message now,
-            # not after the Python that wraps the request (MPI advances only inside MPI calls).
-            request.Test()
-            return MPIWork(request, description, self._timeout, (tensor, buf), self._mark_broken)
         flat = tensor if tensor.dim() == 1 else tensor.view(-1)
         scratch: torch.Tensor | None = None
         if dtype in _HALF and self._half_user_op(op):
@@ -480,10 +466,15 @@ class MPICommunicator(Communicator):
                 wire.copy_(flat)
             else:
                 wire = flat
-            mpi_op = (_BOOL_OPS if wire.dtype == torch.bool else _MPI_OPS)[op]
+            if op is ReduceOp.SUM and wire.dtype is not torch.bool:  # the gradient path: no lookup
+                mpi_op = MPI.SUM
+            else:
+                mpi_op = (_BOOL_OPS if wire.dtype == torch.bool else _MPI_OPS)[op]
             datatype = self._datatype(wire.dtype)
         buf, finish = self._prepare(wire)
         request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], mpi_op)
+        # One Test() at once: a peer already waiting gets this rank's first message now, not
+        # after the Python that wraps the request (MPI advances only inside MPI calls).
         request.Test()
         work = self._work(request, description, (tensor, wire, buf))
         if finish is not None:
@@ -508,9 +499,7 @@ class MPICommunicator(Communicator):
         return work
 
     def _all_gather(
-
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
-
     ) -> Work:
         comm = self._live_comm()
         send, finish_send = self._prepare(flat_bytes(input), write=False)

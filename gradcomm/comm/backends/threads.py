@@ -172,9 +172,7 @@ class ThreadCommunicator(Communicator):
         return self._submit(run, description)
 
     def _all_gather(
-
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
-
     ) -> Work:
         def run() -> None:
             parts = self.group._exchange(self.rank, input.clone())

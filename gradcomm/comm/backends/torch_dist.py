@@ -131,12 +131,7 @@ class TorchDistCommunicator(Communicator):
         return self._group
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
-        # No helper calls on this path (the group's own check, then TorchWork): each Python call
-        # costs ~1 us right after a collective (benchmarks/call_overhead.py).
-        group = self._group
-        if group is None:  # pragma: no cover - world_size 1 never reaches a collective
-            group = self._pg()
-        return TorchWork(group.allreduce([tensor], _reduce_options(op)), description, self._timeout)
+        return self._wrap(self._pg().allreduce([tensor], _reduce_options(op)), description)
 
     # broadcast and all_gather move bytes, so they go as uint8 views: any dtype works (gloo
     # rejects uint16/32/64, float8 and, for all_gather, complex with "Invalid scalar type").
@@ -146,9 +141,7 @@ class TorchDistCommunicator(Communicator):
         return self._wrap(self._pg().broadcast([flat_bytes(tensor)], opts), description)
 
     def _all_gather(
-
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
-
     ) -> Work:
         chunks = list(flat_bytes(output).chunk(self.world_size))
         return self._wrap(self._pg().allgather([chunks], [flat_bytes(input)]), description)
