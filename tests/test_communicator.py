@@ -397,6 +397,46 @@ def test_gloo_work_wait_timeout_then_complete(tmp_path: Path) -> None:
     assert out == [[3.0] * 5, [3.0] * 5]
 
 
+def _gloo_peer_closes(rank: int, world_size: int, flag: str) -> object:
+    seen = Path(flag)
+    with gradcomm.init("gloo", timeout=30) as comm:
+        comm.barrier()
+        if rank == 1:  # closes its connections instead of joining the all-reduce
+            time.sleep(0.5)
+            comm.close()
+            deadline = time.monotonic() + 60
+            while not seen.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return "closed"
+        t = torch.full((10,), 5.0)
+        work = comm.all_reduce(t, async_op=True, label="probe")
+        try:
+            deadline = time.monotonic() + 25
+            while time.monotonic() < deadline:
+                try:
+                    done = work.is_completed()
+                except RuntimeError as exc:
+                    # the failure is not reported as completion; wait() raises it again
+                    with pytest.raises(RuntimeError, match="probe"):
+                        work.wait()
+                    return f"{type(exc).__name__}: {exc}"
+                if done:
+                    return f"reported complete, tensor {t.tolist()}"
+                time.sleep(0.01)
+            return "still pending"
+        finally:
+            seen.touch()
+
+
+def test_gloo_failed_collective_is_never_reported_complete(tmp_path: Path) -> None:
+    # torch's Work.is_completed() is True for a failed collective too; ours must raise instead,
+    # or a caller polling it would take the unreduced tensor as the result.
+    error, closed = run_processes(_gloo_peer_closes, 2, str(tmp_path / "seen"), timeout=90)
+    assert closed == "closed"
+    assert error.startswith("RuntimeError: all_reduce #1 SUM probe of 10"), error
+    assert "failed" in error, error
+
+
 def test_wait_rejects_a_negative_timeout_even_when_complete() -> None:
     from gradcomm.comm.work import CompletedWork
 

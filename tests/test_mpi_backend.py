@@ -112,6 +112,14 @@ def test_all_gather_with_input_aliasing_output(backend: str) -> None:
     assert len(_results(proc.stdout, "alias-ok")) == 2, proc.stdout
 
 
+@pytest.mark.parametrize("case", ["dropped", "short-wait"])
+def test_pending_collectives_keep_their_buffers_and_block_only_while_pending(case: str) -> None:
+    proc = run_mpi(SCRIPTS / "mpi_backend_pending.py", 2, [case], timeout=60)
+    assert sorted(_results(proc.stdout, "pending")) == [
+        f"RESULT pending {case} ok rank={r}" for r in range(2)
+    ], proc.stdout
+
+
 def test_uncaught_error_aborts_the_job() -> None:
     # Rank 0 would wait 300 s in its barrier; the abort hook ends the job when rank 1 raises.
     proc = run_mpi(SCRIPTS / "mpi_backend_abort.py", 2, ["300"], timeout=40, check=False)

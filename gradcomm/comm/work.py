@@ -147,7 +147,12 @@ class Work(abc.ABC):
         self._finish()
 
     def is_completed(self) -> bool:
-        """Return True when :meth:`wait` would return at once (never blocks)."""
+        """Return True when :meth:`wait` would return at once (never blocks).
+
+        Raises:
+            RuntimeError: the transport reports that the collective failed (e.g. a peer closed
+                its connection); :meth:`wait` raises it too. Never True for a failed collective.
+        """
         if self._done:
             return True
         if self._test():

@@ -44,10 +44,13 @@ for up to 1 s, then with sleeps growing to 1 ms -- and :meth:`MPIWork.is_complet
 ``Test()`` once, so callers that poll ``is_completed()`` on in-flight work (the gradient manager
 does, from its backward hooks) drive the transfer forward.
 
-Failure behaviour: a collective that does not complete within the communicator's timeout raises
-:class:`~gradcomm.CollectiveTimeoutError`; MPI cannot cancel a started collective, so the
-communicator is then marked broken and every later collective on it raises RuntimeError. Under
-``mpiexec`` with more than one rank, creating a communicator installs (once per process, chaining
+Failure behaviour: a collective that does not complete within the communicator's timeout (or the
+timeout given to ``wait``) raises :class:`~gradcomm.CollectiveTimeoutError`; MPI cannot cancel a
+started collective, so every later collective on the communicator raises RuntimeError for as long
+as that one is still pending (a late peer that catches up makes it usable again). A :class:`MPIWork`
+dropped before completion is kept by the communicator until MPI is done with its buffers (its
+copy-back and averaging still run then, at a later collective). Under ``mpiexec`` with more than
+one rank, creating a communicator installs (once per process, chaining
 the previous hook) a :data:`sys.excepthook` that prints the traceback and calls
 ``MPI.COMM_WORLD.Abort(1)`` -- what ``python -m mpi4py`` does -- so an uncaught error on one rank
 ends the whole job instead of leaving the other ranks spinning in a collective. Set
@@ -152,7 +155,12 @@ class MPIWork(Work):
         description: what the collective is, for error messages.
         timeout: default timeout of :meth:`wait`, seconds (``None``: forever).
         keepalive: objects (tensors, buffers) that must outlive the request.
-        on_timeout: called once when a wait times out (the communicator marks itself broken).
+        on_timeout: called with this work when a wait times out (the communicator then refuses
+            new collectives until this one completes).
+        orphans: where a work dropped before completion puts itself (the communicator's list,
+            tested at each later collective, which also runs the work's callbacks): MPI still
+            reads and writes its buffers, and the standard forbids freeing a pending
+            collective's request, so neither may die with the handle.
 
     ``_test`` calls ``Request.Test()`` (which also drives MPI's progress engine); ``_wait`` polls
     it until the request completes or the deadline passes, then raises :class:`TimeoutError`.
@@ -164,12 +172,19 @@ class MPIWork(Work):
         description: DescriptionLike,
         timeout: float | None,
         keepalive: tuple[object, ...] = (),
-        on_timeout: Callable[[str], None] | None = None,
+        on_timeout: Callable[[MPIWork], None] | None = None,
+        orphans: list[MPIWork] | None = None,
     ) -> None:
         super().__init__(description, timeout)
         self._request = request
+        # None once the request completed: nothing needs to outlive it any more.
         self._keepalive: tuple[object, ...] | None = keepalive
         self._on_timeout = on_timeout
+        self._orphans = orphans
+
+    def __del__(self) -> None:
+        if self._keepalive is not None and self._orphans is not None:
+            self._orphans.append(self)  # resurrected until it completes (PEP 442)
 
     def _test(self) -> bool:
         if self._request.Test():
@@ -201,7 +216,7 @@ class MPIWork(Work):
 
     def _timed_out(self) -> None:
         if self._on_timeout is not None:
-            self._on_timeout(self.description)
+            self._on_timeout(self)
         raise TimeoutError(f"{self.description}: MPI request still pending")
 
 
@@ -349,7 +364,10 @@ class MPICommunicator(Communicator):
         )
         self.launch = launch
         self._comm: MPIModule.Intracomm | None = world.Dup()
-        self._broken: str | None = None
+        # A collective whose wait timed out: new ones are refused until it completes.
+        self._stalled: MPIWork | None = None
+        # Works dropped by their caller before they completed; see MPIWork.
+        self._orphans: list[MPIWork] = []
         self._scratch = _ScratchPool()
         self._datatypes: dict[torch.dtype, MPI.Datatype] = {}
         self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
@@ -516,20 +534,38 @@ class MPICommunicator(Communicator):
 
     def _close(self) -> None:
         comm, self._comm = self._comm, None
-        # A communicator with a collective still pending (after a timeout) is left to MPI_Finalize.
-        if comm is not None and self._broken is None and not MPI.Is_finalized():
+        if comm is None or MPI.Is_finalized():
+            return
+        self._settle()
+        # A communicator with a collective still pending (a timed-out or dropped one, whose peer
+        # may be dead) is left to MPI_Finalize: freeing it would wait for that collective.
+        if self._stalled is None and not self._orphans:
             comm.Free()
 
     # ------------------------------------------------------------------ helpers
     def _live_comm(self) -> MPIModule.Intracomm:
-        if self._broken is not None:
-            raise RuntimeError(
-                f"mpi communicator is unusable: {self._broken} timed out and MPI cannot cancel "
-                "a started collective"
-            )
+        if self._stalled is not None or self._orphans:
+            self._settle()
+            stalled = self._stalled
+            if stalled is not None:
+                raise RuntimeError(
+                    f"mpi communicator is unusable while {stalled.description}, which timed "
+                    "out, is still pending: MPI cannot cancel a started collective (another "
+                    "rank may have died, stopped calling collectives, or issued a different "
+                    "sequence of them); wait() on its Work again to finish it"
+                )
         if self._comm is None:
             raise RuntimeError("mpi communicator is closed")
         return self._comm
+
+    def _settle(self) -> None:
+        """Test the timed-out and the dropped collectives (which drives MPI's progress) and forget
+        those that have completed."""
+        if self._orphans:
+            self._orphans[:] = [w for w in self._orphans if not w.is_completed()]
+        stalled = self._stalled
+        if stalled is not None and stalled.is_completed():  # runs its callbacks
+            self._stalled = None
 
     def _half_user_op(self, op: ReduceOp) -> bool:
         """Whether a float16/bfloat16 all-reduce with ``op`` uses the 16-bit user-defined op.
@@ -541,9 +577,9 @@ class MPICommunicator(Communicator):
             return False
         return op in (ReduceOp.MIN, ReduceOp.MAX) or self.world_size <= _USER_OP_MAX_WORLD
 
-    def _mark_broken(self, description: str) -> None:
-        if self._broken is None:
-            self._broken = description
+    def _mark_stalled(self, work: MPIWork) -> None:
+        if self._stalled is None:
+            self._stalled = work
 
     def _work(
         self,
@@ -551,7 +587,9 @@ class MPICommunicator(Communicator):
         description: DescriptionLike,
         keepalive: tuple[object, ...],
     ) -> Work:
-        return MPIWork(request, description, self._timeout, keepalive, self._mark_broken)
+        return MPIWork(
+            request, description, self._timeout, keepalive, self._mark_stalled, self._orphans
+        )
 
     def _datatype(self, dtype: torch.dtype) -> MPI.Datatype:
         found = self._datatypes.get(dtype)

@@ -54,7 +54,8 @@ def _close_if_alive(ref: weakref.ref[Communicator]) -> None:
 
 
 class TorchWork(Work):
-    """Wraps a :class:`torch.distributed.Work`; its timeout errors become TimeoutError."""
+    """Wraps a :class:`torch.distributed.Work`; its timeout errors become TimeoutError, and
+    :meth:`~Work.is_completed` raises the transport's error for a collective that failed."""
 
     def __init__(
         self,
@@ -78,7 +79,12 @@ class TorchWork(Work):
             raise RuntimeError(f"{self.description} failed: {exc}") from exc
 
     def _test(self) -> bool:
-        return bool(self._work.is_completed())
+        # torch's is_completed() is also True for a collective that failed or timed out; its
+        # wait() then raises at once, so a failure surfaces here instead of passing as done.
+        if not self._work.is_completed():
+            return False
+        self._wait(None)
+        return True
 
 
 class TorchDistCommunicator(Communicator):

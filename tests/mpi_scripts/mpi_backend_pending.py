@@ -1,0 +1,88 @@
+"""Run under ``mpiexec -n 2``: collectives left pending by the caller, on the mpi backend.
+
+Case ``dropped``: rank 1 joins 0.5 s late, so rank 0's async all-reduces are still pending when
+their :class:`Work` (and, for one, the tensor itself) is dropped. MPI still writes into those
+buffers, so the communicator must keep them alive until the collective completes, and a dropped
+work's copy-back into a non-contiguous tensor must still happen.
+
+Case ``short-wait``: rank 1 joins 1.5 s late; rank 0's ``wait(timeout=0.3)`` times out. While that
+collective is pending, a new one must raise RuntimeError at once; once it completes (a second
+``wait()``), the communicator must work again, on both ranks.
+
+Exits non-zero on a wrong value; prints ``RESULT pending <case> ok rank=<r>``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+
+import torch
+
+import gradcomm
+
+
+def dropped(comm: gradcomm.Communicator) -> None:
+    r = comm.rank
+    if r == 1:
+        time.sleep(0.5)
+    gone = torch.ones(4096)
+    ref = weakref.ref(gone)
+    comm.all_reduce(gone, async_op=True)  # Work dropped at once
+    del gone
+    if r == 0 and ref() is None:
+        sys.exit("rank 0: the tensor of a pending all_reduce was freed while MPI still used it")
+    strided = torch.ones(64, 2)[:, 0]  # non-contiguous: reduced in a copy, written back after
+    comm.all_reduce(strided, async_op=True)
+    for _ in range(100):  # later collectives finish the dropped ones
+        probe = torch.ones(3)
+        comm.all_reduce(probe)
+        if not torch.equal(probe, torch.full((3,), 2.0)):
+            sys.exit(f"rank {r}: all_reduce after dropped works gave {probe.tolist()}")
+        if ref() is None and torch.equal(strided, torch.full((64,), 2.0)):
+            break
+    else:
+        sys.exit(f"rank {r}: after 100 collectives, dropped tensor freed: {ref() is None}; "
+                 f"copy-back into the strided tensor: {strided[:4].tolist()}...")
+
+
+def short_wait(comm: gradcomm.Communicator) -> None:
+    r = comm.rank
+    t = torch.full((5,), float(r + 1))
+    if r == 1:
+        time.sleep(1.5)
+        comm.all_reduce(t)
+    else:
+        work = comm.all_reduce(t, async_op=True)
+        try:
+            work.wait(timeout=0.3)
+            sys.exit("rank 0: wait(timeout=0.3) returned although rank 1 was 1.5 s late")
+        except gradcomm.CollectiveTimeoutError:
+            pass
+        try:
+            comm.all_reduce(torch.ones(2))
+            sys.exit("rank 0: a collective was issued while a timed-out one was pending")
+        except RuntimeError as exc:
+            if "unusable" not in str(exc) or "still pending" not in str(exc):
+                sys.exit(f"rank 0: unexpected message: {exc}")
+        work.wait()
+    if not torch.equal(t, torch.full((5,), 3.0)):
+        sys.exit(f"rank {r}: the late all_reduce gave {t.tolist()}")
+    after = torch.full((2,), float(r))
+    comm.all_reduce(after)  # usable again
+    if not torch.equal(after, torch.ones(2)):
+        sys.exit(f"rank {r}: all_reduce after the late one gave {after.tolist()}")
+
+
+def main() -> None:
+    case = sys.argv[1]
+    with gradcomm.init("mpi", timeout=30) as comm:
+        comm.barrier()
+        {"dropped": dropped, "short-wait": short_wait}[case](comm)
+        comm.barrier()
+        print(f"RESULT pending {case} ok rank={comm.rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
