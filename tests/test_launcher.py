@@ -193,6 +193,9 @@ def test_is_mpi() -> None:
         ({}, {"world_size": 2}, "together"),
         ({}, {"rank": 2, "world_size": 2}, "rank"),
         ({}, {"rank": 0, "world_size": 2, "local_rank": 1, "local_world_size": 1}, "local_rank"),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "29x"}, {}, "MASTER_PORT"),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "70000"}, {"rank": 0, "world_size": 2},
+         "MASTER_PORT"),
     ],
 )
 def test_malformed_values_raise_value_error(
@@ -211,3 +214,15 @@ def test_cpus_per_local_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpus_per_local_process(3) == 2.0
     with pytest.raises(ValueError, match="local_world_size"):
         cpus_per_local_process(0)
+
+
+def test_rendezvous_address_comes_from_the_environment_given() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": " node7 ", "MASTER_PORT": "29501",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    info = detect_launch(env)
+    assert (info.master_addr, info.master_port, info.agent_store) == ("node7", 29501, True)
+    explicit = detect_launch(env, rank=0, world_size=4)
+    assert (explicit.master_addr, explicit.master_port) == ("node7", 29501)
+    # Only both together name a store; an MPI launcher then rendezvouses through MPI.
+    half = detect_launch({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "node7"})
+    assert (half.master_addr, half.master_port, half.agent_store) == (None, None, False)

@@ -27,7 +27,7 @@ from gradcomm.comm import (
 from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.comm.selection import init
 
-from dist_utils import REPO_ROOT
+from dist_utils import REPO_ROOT, run_processes
 
 
 @pytest.fixture(autouse=True)
@@ -195,6 +195,24 @@ def test_gloo_world_size_one_through_init() -> None:
         t = torch.arange(3.0)
         comm.all_reduce(t, "avg")
         assert t.tolist() == [0.0, 1.0, 2.0]
+
+
+def _init_from_env_argument(rank: int, world_size: int) -> list[float]:
+    import os
+
+    # The rendezvous address travels only in env=, not in the process environment.
+    env = {k: os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["GRADCOMM_BACKEND"] = "gloo"
+    with init(env=env, timeout=30) as comm:
+        assert (comm.backend, comm.rank, comm.world_size) == ("gloo", rank, world_size)
+        t = torch.full((3,), float(rank + 1))
+        comm.all_reduce(t)
+        return t.tolist()
+
+
+def test_init_reads_the_rendezvous_from_the_env_argument() -> None:
+    out = run_processes(_init_from_env_argument, 2, timeout=90)
+    assert out == [[3.0] * 3, [3.0] * 3]
 
 
 # ----------------------------------------------------------------------------- missing mpi4py

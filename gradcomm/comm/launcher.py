@@ -43,6 +43,12 @@ class LaunchInfo:
         local_rank: index among the processes on this host.
         local_world_size: number of processes on this host.
         launcher: which launcher's variables these came from.
+        master_addr, master_port: where the torch.distributed backends' rendezvous store
+            listens (``MASTER_ADDR``/``MASTER_PORT``); None when not both are set, in which case
+            an MPI launcher's ranks rendezvous through MPI
+            (:func:`gradcomm.comm.rendezvous.create_store`).
+        agent_store: torchrun's agent already serves that store
+            (``TORCHELASTIC_USE_AGENT_STORE=True``), so rank 0 joins it as a client.
     """
 
     rank: int
@@ -50,6 +56,9 @@ class LaunchInfo:
     local_rank: int
     local_world_size: int
     launcher: Launcher
+    master_addr: str | None = None
+    master_port: int | None = None
+    agent_store: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -127,7 +136,8 @@ def detect_launch(
     local_rank: int | None = None,
     local_world_size: int | None = None,
 ) -> LaunchInfo:
-    """Read rank, world size and local rank from the launcher's environment variables.
+    """Read rank, world size, local rank and the rendezvous address from the launcher's
+    environment variables.
 
     Args:
         env: the environment to read (default: :data:`os.environ`).
@@ -140,16 +150,17 @@ def detect_launch(
         one that gives a local rank but no local size gets ``local_world_size = world_size``.
 
     Raises:
-        ValueError: only one of ``rank``/``world_size`` given, a variable that is not an integer, or
-            values out of range (e.g. ``RANK`` >= ``WORLD_SIZE``).
+        ValueError: only one of ``rank``/``world_size`` given, a variable that is not an integer
+            (``MASTER_PORT`` included), or values out of range (e.g. ``RANK`` >= ``WORLD_SIZE``).
     """
     env = os.environ if env is None else env
     if (rank is None) != (world_size is None):
         raise ValueError("give rank and world_size together, or neither")
+    store = _store_address(env)
     if rank is not None and world_size is not None:
         lr = rank if local_rank is None else local_rank
         lws = (world_size if local_world_size is None else local_world_size)
-        return LaunchInfo(rank, world_size, lr, lws, Launcher.EXPLICIT)
+        return LaunchInfo(rank, world_size, lr, lws, Launcher.EXPLICIT, *store)
 
     for launcher, rank_var, size_vars, local_vars, local_size_vars in _LAUNCHER_VARS:
         if not env.get(rank_var, "").strip():
@@ -168,12 +179,27 @@ def detect_launch(
             found_lws = size if local_world_size is None else local_world_size
         elif found_lws is None:  # a local rank (e.g. MPI_LOCALRANKID alone): keep it
             found_lws = size
-        return LaunchInfo(found_rank, size, found_lr, found_lws, launcher)
+        return LaunchInfo(found_rank, size, found_lr, found_lws, launcher, *store)
 
     return LaunchInfo(
         0, 1, 0 if local_rank is None else local_rank,
-        1 if local_world_size is None else local_world_size, Launcher.SINGLE,
+        1 if local_world_size is None else local_world_size, Launcher.SINGLE, *store,
     )
+
+
+def _store_address(env: Mapping[str, str]) -> tuple[str | None, int | None, bool]:
+    """``(MASTER_ADDR, MASTER_PORT, agent store)`` from ``env``; (None, None) unless both set."""
+    addr, port = env.get("MASTER_ADDR", "").strip(), env.get("MASTER_PORT", "").strip()
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
+    if not (addr and port):
+        return None, None, agent
+    try:
+        port_num = int(port)
+    except ValueError:
+        raise ValueError(f"MASTER_PORT must be an integer, got {port!r}") from None
+    if not 0 <= port_num <= 65535:
+        raise ValueError(f"MASTER_PORT must be in [0, 65535], got {port_num}")
+    return addr, port_num, agent
 
 
 def cpus_per_local_process(local_world_size: int) -> float:

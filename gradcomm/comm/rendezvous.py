@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import os
 import socket
-from collections.abc import Mapping
 
 import torch.distributed as dist
 
@@ -77,40 +75,28 @@ def _store_via_mpi(launch: LaunchInfo, timeout: datetime.timedelta) -> dist.Stor
     return store
 
 
-def create_store(
-    launch: LaunchInfo,
-    timeout: float | None,
-    backend: str,
-    env: Mapping[str, str] | None = None,
-) -> dist.Store:
+def create_store(launch: LaunchInfo, timeout: float | None, backend: str) -> dist.Store:
     """Return a store shared by all ranks of ``launch``, under a key prefix of its own.
 
     Args:
-        launch: this process's place in the job.
+        launch: this process's place in the job and the rendezvous address its environment gave
+            (``launch.master_addr``/``master_port``, read by :func:`detect_launch`).
         timeout: seconds to wait for the other ranks to connect (``None``: a day).
         backend: backend name, part of the key prefix.
-        env: environment to read ``MASTER_ADDR``/``MASTER_PORT`` from (default os.environ).
 
     Raises:
         RuntimeError: world_size > 1, no MASTER_ADDR/MASTER_PORT and no MPI launcher to
             rendezvous through; or the TCPStore could not be reached within the timeout.
         ImportError: an MPI launcher without MASTER_ADDR/MASTER_PORT and no mpi4py.
-        ValueError: MASTER_PORT is not an integer.
     """
-    env = os.environ if env is None else env
     td = _timedelta(timeout)
     prefix = f"gradcomm/{backend}/{next(_store_ids)}"
     if launch.world_size == 1:
         return dist.PrefixStore(prefix, dist.HashStore())
-    addr, port = env.get("MASTER_ADDR", "").strip(), env.get("MASTER_PORT", "").strip()
-    if addr and port:
-        try:
-            port_num = int(port)
-        except ValueError:
-            raise ValueError(f"MASTER_PORT must be an integer, got {port!r}") from None
-        agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if launch.master_addr is not None and launch.master_port is not None:
         store: dist.Store = dist.TCPStore(
-            addr, port_num, launch.world_size, launch.rank == 0 and not agent, timeout=td
+            launch.master_addr, launch.master_port, launch.world_size,
+            launch.rank == 0 and not launch.agent_store, timeout=td,
         )
     elif launch.launcher.is_mpi:
         store = _store_via_mpi(launch, td)

@@ -103,9 +103,14 @@ def init(
             environment (torchrun, mpirun/mpiexec, srun), else a single process.
         device: device of the tensors to reduce; default the backend's (cpu for gloo and mpi,
             ``cuda:local_rank`` for nccl and cupy-nccl). ``"cuda"`` with mpi passes GPU buffers.
-        env: environment to read (default os.environ). ``GRADCOMM_PROFILE=1`` attaches a
+        env: environment to read (default os.environ): the launcher's variables (rank, world
+            size, ``MASTER_ADDR``/``MASTER_PORT``), ``GRADCOMM_BACKEND``, ``GRADCOMM_TIMEOUT``
+            and ``GRADCOMM_PROFILE``. ``GRADCOMM_PROFILE=1`` attaches a
             :mod:`gradcomm.profiler` that writes a Chrome trace per rank when the communicator is
             closed (or at exit) into ``GRADCOMM_PROFILE_DIR`` (default: the working directory).
+            Process-wide settings are read from os.environ by what they configure:
+            ``GRADCOMM_MPI_ABORT_ON_ERROR`` (a :data:`sys.excepthook`),
+            ``GRADCOMM_MPI_CUDA_AWARE`` and the transports' own variables (``NCCL_*``, MPI's).
 
     Returns:
         A :class:`~gradcomm.comm.Communicator`; use it as a context manager or call ``close()``.
