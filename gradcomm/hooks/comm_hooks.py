@@ -190,7 +190,10 @@ def compress_wrapper(hook: CommHookFn, dtype: torch.dtype) -> CommHookFn:
         return _then(work, decompress)
 
     inner = getattr(hook, "__name__", "hook")
-    compressed_hook.__name__ = f"{inner}_{str(dtype).removeprefix('torch.')}"
+    # Named after what it does (the GradientReducer's cross-rank check compares hooks by name).
+    compressed_hook.__name__ = compressed_hook.__qualname__ = (
+        f"{inner}_{str(dtype).removeprefix('torch.')}"
+    )
     compressed_hook.__doc__ = f"Run {inner} on a {dtype} copy of a bucket."
     return compressed_hook
 
@@ -206,12 +209,12 @@ def bf16_compress_wrapper(hook: CommHookFn) -> CommHookFn:
 
 
 fp16_compress_hook: CommHookFn = fp16_compress_wrapper(allreduce_hook)
-fp16_compress_hook.__name__ = "fp16_compress_hook"
+fp16_compress_hook.__name__ = fp16_compress_hook.__qualname__ = "fp16_compress_hook"
 fp16_compress_hook.__doc__ = (
     "Cast the bucket to float16, all-reduce (SUM, accumulated in float16 on gloo), cast back."
 )
 bf16_compress_hook: CommHookFn = bf16_compress_wrapper(allreduce_hook)
-bf16_compress_hook.__name__ = "bf16_compress_hook"
+bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_hook"
 bf16_compress_hook.__doc__ = (
     "Cast the bucket to bfloat16, all-reduce (SUM, accumulated in bfloat16 on gloo), cast back."
 )

@@ -187,6 +187,18 @@ class _ForwardPreHook:
         return (_InertHook, ())
 
 
+def _qualified_name(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of a function (or of a callable object's class): the same on every
+    rank for the same hook."""
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
+
+
+def _no_reducer() -> None:
+    """What an unpickled :class:`GradientReducer` becomes (see ``GradientReducer.__reduce__``)."""
+    return None
+
+
 #: How a parameter's gradient hook finds its reducer (see :func:`_on_grad_ready`).
 _ReducerRef = Callable[[], "GradientReducer | None"]
 
@@ -329,11 +341,11 @@ class GradientReducer:
 
     During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
     collective times out, ``TypeError`` naming a parameter whose gradient is sparse, and
-    ``RuntimeError`` (naming it) when a parameter, buffer or submodule was replaced on the module
-    after wrapping, or a parameter added, unfrozen, frozen, converted to another dtype or resized
-    there, or when a gradient was accumulated again after its bucket was sent (reentrant
-    checkpointing of a parameter also used outside the checkpointed region: use
-    ``use_reentrant=False``).
+    ``RuntimeError`` (naming it) when a parameter or a submodule with parameters was replaced on
+    the module after wrapping, or a parameter added, unfrozen, frozen, converted to another dtype
+    or resized there (a reassigned buffer is picked up: buffers have no gradient), or when a
+    gradient was accumulated again after its bucket was sent (reentrant checkpointing of a
+    parameter also used outside the checkpointed region: use ``use_reentrant=False``).
     """
 
     def __init__(
@@ -418,7 +430,11 @@ class GradientReducer:
         self._first_bucket_cap_mb = first_cap
         entries = [f"GradientReducer option bucket_cap_mb={float(bucket_cap_mb)} "
                    f"first_bucket_cap_mb={first_cap} "
-                   f"gradient_predivide_factor={gradient_predivide_factor}"]
+                   f"gradient_predivide_factor={gradient_predivide_factor}",
+                   # These decide which collectives run (a compression hook changes their dtype).
+                   f"GradientReducer setting comm_hook={_qualified_name(hook_fn)} "
+                   f"broadcast_buffers={broadcast_buffers} "
+                   f"broadcast_parameters={broadcast_parameters}"]
         entries += [f"param {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
                     for n, p in named]
         entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
@@ -559,6 +575,15 @@ class GradientReducer:
             self._watch.close()
         self._removed = True
 
+    # A copy of the module is an ordinary local one (see _ForwardPreHook): a reference to the
+    # reducer inside it -- apply_gradient_allreduce's ``module.gradient_reducer`` -- is copied and
+    # pickled as None rather than trying to copy the live communicator (which cannot be).
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        return (_no_reducer, ())
+
     def __repr__(self) -> str:
         return (f"<GradientReducer {len(self._params)} params in {len(self._buckets)} buckets, "
                 f"{self._comm.backend} rank {self._comm.rank}/{self._comm.world_size}>")
@@ -588,9 +613,9 @@ class GradientReducer:
             for local, p in m._parameters.items():
                 if p is not None and id(p) in watched:
                     owners.append((f"parameter {prefix}{local}", m._parameters, local, p))
-            for local, b in m._buffers.items():
-                if b is not None:
-                    owners.append((f"buffer {prefix}{local}", m._buffers, local, b))
+        # Buffers are not watched: they have no gradient, and broadcast_buffers reads them
+        # afresh each forward, so a buffer reassigned (``self.avg = 0.9 * self.avg + ...``)
+        # is simply picked up.
         return owners
 
     def _check_unchanged(self) -> None:
@@ -632,12 +657,12 @@ class GradientReducer:
         for name, t in named:
             if t.requires_grad and id(t) not in known:
                 self._raise_unreduced(name)
-        self._watch_entries(named)  # only frozen parameters or buffers came: watch them too
+        self._watch_entries(named)  # only frozen parameters came: watch them too
         self._watch.changed = False
 
     def _watch_entries(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Record what the forward check compares against: every reduced parameter and buffer
-        in its module's table, and the frozen parameters (``named``: the module's)."""
+        """Record what the forward check compares against: every reduced parameter in its
+        module's table, and the frozen parameters (``named``: the module's)."""
         self._owners = self._ownership()
         self._frozen = [(n, t) for n, t in named if not t.requires_grad]
 
@@ -894,7 +919,11 @@ def apply_gradient_allreduce(module: nn.Module, comm: Communicator | None = None
     Drop-in for the ``apply_gradient_allreduce(module)`` of NVIDIA's tacotron2/waveglow
     ``distributed.py``: parameters are broadcast from rank 0 and every ``loss.backward()`` ends with
     averaged gradients. The :class:`GradientReducer` doing it (default options) is stored as
-    ``module.gradient_reducer``.
+    ``module.gradient_reducer``; a ``copy.deepcopy`` or ``torch.save`` of the module is a local
+    module whose ``gradient_reducer`` is None.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")

@@ -94,7 +94,8 @@ def expect_error(results: list[Any], type_name: str, *fragments: str,
 
 
 # ----------------------------------------------------------------------------- 1. fingerprint
-FINGERPRINT_KINDS = ("count", "name", "shape", "dtype", "requires_grad", "buffer")
+FINGERPRINT_KINDS = ("count", "name", "shape", "dtype", "requires_grad", "buffer", "comm_hook",
+                     "broadcast_buffers", "broadcast_parameters")
 # What the message must name for each kind (the last rank is the odd one out).
 _FINGERPRINT_FRAGMENTS = {
     "count": ("2.weight", "(2, 2)"),
@@ -103,6 +104,15 @@ _FINGERPRINT_FRAGMENTS = {
     "dtype": ("1.weight", "torch.float64"),
     "requires_grad": ("1.weight", "requires_grad=False"),
     "buffer": ("buffer", "1.running_mean"),
+    "comm_hook": ("comm_hook=gradcomm.hooks.comm_hooks.fp16_compress_hook",),
+    "broadcast_buffers": ("broadcast_buffers=True",),
+    "broadcast_parameters": ("broadcast_parameters=False",),
+}
+# Options the odd rank passes (the others take the defaults).
+_FINGERPRINT_OPTIONS: dict[str, dict[str, Any]] = {
+    "comm_hook": {"comm_hook": "fp16_compress"},
+    "broadcast_buffers": {"broadcast_buffers": True},
+    "broadcast_parameters": {"broadcast_parameters": False},
 }
 
 
@@ -129,8 +139,10 @@ def run_fingerprint(comm: gradcomm.Communicator) -> Result:
     for kind in FINGERPRINT_KINDS:
         model = _fingerprint_model(kind, comm.rank, comm.world_size)
         before = [t.detach().clone() for t in model.state_dict().values()]
+        odd = comm.rank == comm.world_size - 1
+        options = _FINGERPRINT_OPTIONS.get(kind, {}) if odd else {}
         with count_collectives(comm) as calls:
-            err = error_of(lambda: GradientReducer(model, comm))  # noqa: B023
+            err = error_of(lambda: GradientReducer(model, comm, **options))  # noqa: B023
         after = list(model.state_dict().values())
         unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         out[kind] = {"error": err, "calls": list(calls), "unchanged": unchanged}
@@ -330,9 +342,9 @@ def verify_tied(results: list[Result], world_size: int) -> Problems:
     return problems
 
 
-REPLACEMENTS = ("parameter", "buffer", "submodule", "added_module", "unfrozen", "retyped",
+REPLACEMENTS = ("parameter", "submodule", "added_module", "unfrozen", "retyped",
                 "resized")
-_REPLACED_NAMES = {"parameter": "parameter fc2.weight", "buffer": "buffer bn.running_mean",
+_REPLACED_NAMES = {"parameter": "parameter fc2.weight",
                    "submodule": "parameter fc2.weight", "added_module": "parameter extra.weight",
                    "unfrozen": "parameter head_b.weight", "retyped": "parameter scale",
                    "resized": "parameter scale"}
@@ -348,8 +360,6 @@ def _replace(model: nn.Module, what: str) -> None:
         model.scale.data = torch.ones(1, 1)
     elif what == "parameter":
         model.fc2.weight = nn.Parameter(torch.zeros(16, 16))
-    elif what == "buffer":
-        model.bn.running_mean = torch.zeros(3)
     elif what == "submodule":
         model.fc2 = nn.Linear(16, 16)
     else:
@@ -592,6 +602,33 @@ def run_buffers(comm: gradcomm.Communicator, steps: int = 3) -> Result:
     (odd(torch.ones(1, 3)) * (comm.rank + 1.0)).sum().backward()
     out["odd"] = {"grads": grads_of(odd), "scratch": odd.scratch.clone(), "steps": odd.steps,
                   "absent": odd.absent}
+
+    class RunningMean(nn.Module):  # reassigns its buffer in every forward
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(8)
+            self.lin = nn.Linear(3, 2)
+            self.register_buffer("avg", torch.zeros(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.avg = 0.5 * self.avg + 0.5 * y.detach().mean(0)
+            return y
+
+    for sync in (True, False):
+        ema = RunningMean()
+        GradientReducer(ema, comm, broadcast_buffers=sync)
+        at_forward: list[torch.Tensor] = []
+        ema.register_forward_pre_hook(lambda m, a: at_forward.append(m.avg.clone()))  # noqa: B023
+        x = torch.full((1, 3), comm.rank + 1.0)
+
+        def three_steps(m: nn.Module = ema, x: torch.Tensor = x) -> None:
+            for _ in range(3):
+                m(x).sum().backward()
+
+        out[("ema", sync)] = error_of(three_steps)
+        out[("ema", sync, "avg")] = at_forward[-1]  # as the last forward saw it
+        out[("ema", sync, "grads")] = grads_of(ema)
     return out
 
 
@@ -630,6 +667,21 @@ def verify_buffers(results: list[Result], world_size: int, steps: int = 3) -> Pr
             problems.append(f"rank {rank}: non-persistent buffer not rank 0's: {odd['scratch']}")
         if odd["steps"] != 1 or odd["absent"] is not None:
             problems.append(f"rank {rank}: non-tensor state changed: {odd}")
+        for sync in (True, False):
+            if r[("ema", sync)] is not None:
+                problems.append(f"rank {rank}: a buffer reassigned in forward "
+                                f"(broadcast_buffers={sync}) raised {r[('ema', sync)]}")
+            # grads accumulate over the three backward passes, x = rank + 1 on each rank
+            g = r[("ema", sync, "grads")]["lin.weight"]
+            if g is None or not torch.allclose(g, torch.full((2, 3), 3 * total)):
+                problems.append(f"rank {rank}: running-mean model grads {g}")
+    # With broadcast_buffers each forward sees rank 0's average; without, the ranks' differ.
+    if not all(torch.equal(r[("ema", True, "avg")], results[0][("ema", True, "avg")])
+               for r in results):
+        problems.append("broadcast_buffers=True: the reassigned buffer differs across ranks")
+    if world_size > 1 and torch.equal(results[0][("ema", False, "avg")],
+                                      results[1][("ema", False, "avg")]):
+        problems.append("broadcast_buffers=False: reassigned buffers equal (test is vacuous)")
     return problems
 
 
