@@ -317,7 +317,9 @@ class GradientReducer:
             place; with ``set_to_none=True`` (torch's default) each fresh gradient is copied in and
             pre-divided in one pass and freed, ``param.grad`` reads None until its bucket is sent
             during backward, then is the view.
-        broadcast_buffers: also broadcast the module's buffers from rank 0 before every forward.
+        broadcast_buffers: also broadcast the module's buffers from rank 0 before every forward
+            that runs with gradients enabled outside :meth:`no_sync` (as DDP: an evaluation
+            under ``torch.no_grad()``, perhaps on rank 0 only, issues no collective).
         comm_hook: how a bucket is summed: a :class:`~gradcomm.hooks.CommHook`, its name
             (``"allreduce"``, ``"fp16_compress"``, ``"bf16_compress"``) or a callable
             ``hook(state, bucket) -> Work`` (see :mod:`gradcomm.hooks.comm_hooks`).
@@ -680,7 +682,11 @@ class GradientReducer:
         self._discard_if_stale()
         self._check_unchanged()
         self._checked = True  # _begin_epoch need not check again
-        if self._broadcast_buffers and _current_autograd_node() is None:  # not a recompute
+        # As DDP: only a forward that will be followed by a synchronised backward broadcasts, so
+        # an evaluation under torch.no_grad() on some ranks only (or one inside no_sync) issues
+        # no collective; a recompute inside backward (checkpointing) does not either.
+        if (self._broadcast_buffers and self._require_sync and torch.is_grad_enabled()
+                and _current_autograd_node() is None):
             broadcast_tensors(self._comm, [b for _, b in module.named_buffers()])
 
     def _discard_if_stale(self) -> None:

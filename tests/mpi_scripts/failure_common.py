@@ -615,6 +615,15 @@ def run_buffers(comm: gradcomm.Communicator, steps: int = 3) -> Result:
             self.avg = 0.5 * self.avg + 0.5 * y.detach().mean(0)
             return y
 
+    # An evaluation under no_grad on rank 0 only: no broadcast, so no collective the others lack.
+    evaluated = make_model(seed=comm.rank)  # BatchNorm in training mode
+    GradientReducer(evaluated, comm, broadcast_buffers=True)
+    if comm.rank == 0:
+        with torch.no_grad():
+            evaluated(batch(0)[0])
+    out["eval_rank0"] = error_of(lambda: loss_fn(evaluated, *batch(comm.rank)).backward())
+    out["eval_rank0_grads"] = flat_grads(evaluated)
+
     for sync in (True, False):
         ema = RunningMean()
         GradientReducer(ema, comm, broadcast_buffers=sync)
@@ -675,6 +684,11 @@ def verify_buffers(results: list[Result], world_size: int, steps: int = 3) -> Pr
             g = r[("ema", sync, "grads")]["lin.weight"]
             if g is None or not torch.allclose(g, torch.full((2, 3), 3 * total)):
                 problems.append(f"rank {rank}: running-mean model grads {g}")
+        if r["eval_rank0"] is not None:
+            problems.append(f"rank {rank}: training after an eval on rank 0 only: "
+                            f"{r['eval_rank0']}")
+    if not identical(results, lambda r: r["eval_rank0_grads"]):
+        problems.append("grads after an eval on rank 0 only differ across ranks")
     # With broadcast_buffers each forward sees rank 0's average; without, the ranks' differ.
     if not all(torch.equal(r[("ema", True, "avg")], results[0][("ema", True, "avg")])
                for r in results):
