@@ -263,6 +263,44 @@ def test_thread_backend_timeout() -> None:
     assert group.run(body) == ["timed out", "idle"]
 
 
+def test_a_raising_callback_does_not_drop_the_others_and_wait_keeps_raising() -> None:
+    group = ThreadGroup(2, timeout=30)
+
+    def body(comm: Communicator) -> object:
+        t = torch.ones(2, 3)[:, 0]  # non-contiguous: its copy-back is a callback added first
+        work = comm.all_reduce(t, async_op=True)
+        ran: list[str] = []
+
+        def bad() -> None:
+            raise ValueError("deliberate callback failure")
+
+        work.add_callback(bad)
+        work.add_callback(lambda: ran.append("later"))
+        errors = []
+        for _ in range(2):
+            with pytest.raises(ValueError, match="deliberate") as info:
+                work.wait()
+            errors.append(info.value)
+        assert errors[0] is errors[1]
+        assert work.is_completed()
+        return ran, t.tolist()
+
+    assert group.run(body) == [(["later"], [2.0, 2.0])] * 2
+
+
+def test_barrier_timeout_names_the_rank() -> None:
+    group = ThreadGroup(2, timeout=1.0)
+
+    def body(comm: Communicator) -> str:
+        if comm.rank == 1:
+            return "idle"
+        with pytest.raises(CollectiveTimeoutError, match=r"barrier #0 \(threads, rank 0/2\)"):
+            comm.barrier()
+        return "timed out"
+
+    assert group.run(body) == ["timed out", "idle"]
+
+
 def test_work_descriptions_name_each_collective_and_are_formatted_only_when_read() -> None:
     reads: list[int] = []
 

@@ -381,7 +381,9 @@ class Communicator(abc.ABC):
             if self.profiler is None
             else self.profiler.collective_started("barrier", None, None, False)
         )
-        work = self._barrier(f"barrier #{next(self._seq)} ({self.backend})")
+        work = self._barrier(
+            f"barrier #{next(self._seq)} ({self.backend}, rank {self._rank}/{self._world_size})"
+        )
         if done is not None:
             work.add_callback(done)
         work.wait()

@@ -88,6 +88,8 @@ class Work(abc.ABC):
         self._description = description
         self.timeout = timeout
         self._done = False
+        # The first exception a callback raised: wait() raises it again every time.
+        self._error: Exception | None = None
         self._callbacks: list[Callable[[], object]] = []
         # The caller's tensor that callbacks write results into (set by the Communicator): they
         # run in writing_into(it), else under torch.no_grad().
@@ -111,7 +113,9 @@ class Work(abc.ABC):
     def add_callback(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` once, after the transport completes and before :meth:`wait` returns.
 
-        Its return value is ignored (so ``lambda: tensor.div_(n)`` is fine). It runs under
+        Its return value is ignored (so ``lambda: tensor.div_(n)`` is fine). If it raises, the
+        callbacks after it still run, and :meth:`wait` raises the first such error (every time it
+        is called). It runs under
         :func:`torch.no_grad` (:func:`torch.inference_mode` when the collective's tensor is an
         inference tensor), so it may update tensors in place that autograd would refuse.
 
@@ -131,11 +135,14 @@ class Work(abc.ABC):
         Raises:
             CollectiveTimeoutError: not complete within the timeout (a RuntimeError subclass).
             RuntimeError: the transport failed (e.g. a peer closed its connection).
+            Exception: whatever a callback added with :meth:`add_callback` raised.
         """
         limit = self.timeout if timeout is None else timeout
         if limit is not None and limit < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
         if self._done:
+            if self._error is not None:
+                raise self._error
             return
         try:
             self._wait(limit)
@@ -167,7 +174,13 @@ class Work(abc.ABC):
             target = self._target
             with torch.no_grad() if target is None else writing_into(target):
                 for fn in callbacks:
-                    fn()
+                    try:
+                        fn()
+                    except Exception as exc:  # noqa: BLE001 - re-raised after the later callbacks ran
+                        if self._error is None:
+                            self._error = exc
+            if self._error is not None:
+                raise self._error
 
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"
