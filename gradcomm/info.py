@@ -29,7 +29,7 @@ import torch
 from . import __version__
 from .comm.launcher import detect_launch
 from .comm.registry import available_backends
-from .comm.selection import select_backend
+from .comm.selection import resolve_timeout, select_backend
 
 __all__ = ["collect_info", "format_info"]
 
@@ -123,8 +123,9 @@ def collect_info(
         A dict with keys ``gradcomm``, ``python``, ``host``, ``launch`` (launcher, rank,
         world_size, local_rank, local_world_size; or ``error``), ``backend`` (selected, reason,
         available, error), ``backends`` (name -> available, reason), ``versions``, ``cuda``,
-        ``cuda_aware_mpi`` and ``env`` (the ``GRADCOMM_*`` variables). Problems are reported in the
-        dict, never raised.
+        ``cuda_aware_mpi``, ``env`` (the ``GRADCOMM_*`` variables) and ``env_errors`` (variable
+        -> the error :func:`gradcomm.init` would raise for its value). Problems are reported in
+        the dict, never raised.
     """
     env = os.environ if env is None else env
     report: dict[str, Any] = {
@@ -173,7 +174,23 @@ def collect_info(
         aware["reason"] += "; MPI was not initialised, so the library was not asked (--init-mpi)"
     report["cuda_aware_mpi"] = aware
     report["env"] = {k: v for k, v in sorted(env.items()) if k.startswith("GRADCOMM_")}
+    report["env_errors"] = _env_errors(env)
     return report
+
+
+def _env_errors(env: Mapping[str, str]) -> dict[str, str]:
+    """What :func:`gradcomm.init` would raise for each bad ``GRADCOMM_*`` value, by variable."""
+    from .profiler import profile_requested  # lazy, as in gradcomm.init
+
+    errors = {}
+    for name, check in (("GRADCOMM_TIMEOUT", lambda: resolve_timeout(None, env)),
+                        ("GRADCOMM_PROFILE", lambda: profile_requested(env))):
+        if env.get(name, "").strip():
+            try:
+                check()
+            except (TypeError, ValueError) as exc:
+                errors[name] = str(exc)
+    return errors
 
 
 def _yes_no(flag: bool | None) -> str:
@@ -214,8 +231,9 @@ def format_info(report: Mapping[str, Any]) -> str:
                  if cuda["available"] else "no"))
     aware = report["cuda_aware_mpi"]
     rows.append(("cuda-aware mpi", f"{_yes_no(aware['available'])} ({aware['reason']})"))
+    bad = report.get("env_errors", {})
     for key, value in report["env"].items():
-        rows.append((key, value))
+        rows.append((key, f"{value}  [INVALID: {bad[key]}]" if key in bad else value))
     width = max(len(k) for k, _ in rows) + 2
     head = f"gradcomm {report['gradcomm']} on {report['host']} (Python {report['python']})"
     return "\n".join([head, *(f"{k:<{width}}{v}" for k, v in rows)])

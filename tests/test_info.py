@@ -95,6 +95,23 @@ def test_collect_info_reads_torchrun_env_and_reports_bad_env() -> None:
     assert "error:" in format_info(bad)
 
 
+def test_bad_gradcomm_values_are_flagged_with_inits_error() -> None:
+    env = {"GRADCOMM_TIMEOUT": "soon", "GRADCOMM_PROFILE": "maybe", "GRADCOMM_BACKEND": "gloo"}
+    report = collect_info(env, include_mpi=False)
+    assert sorted(report["env_errors"]) == ["GRADCOMM_PROFILE", "GRADCOMM_TIMEOUT"]
+    for name in ("GRADCOMM_TIMEOUT", "GRADCOMM_PROFILE"):
+        with pytest.raises(ValueError) as info:
+            gradcomm.init(env=env if name == "GRADCOMM_TIMEOUT" else
+                          {**env, "GRADCOMM_TIMEOUT": "5"})
+        assert report["env_errors"][name] == str(info.value)
+    text = format_info(report)
+    assert re.search(r"^GRADCOMM_TIMEOUT +soon  \[INVALID: ", text, re.MULTILINE), text
+    assert re.search(r"^GRADCOMM_PROFILE +maybe  \[INVALID: ", text, re.MULTILINE), text
+    good = collect_info({"GRADCOMM_TIMEOUT": "30", "GRADCOMM_PROFILE": "1"}, include_mpi=False)
+    assert good["env_errors"] == {}
+    assert "INVALID" not in format_info(good)
+
+
 def test_info_does_not_initialise_mpi() -> None:
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install mpi4py mpich)")
     code = (
