@@ -172,7 +172,9 @@ def test_json_files_without_plot_is_a_usage_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args", [["-d", "complex64"], ["-o", "mean"], ["--backend", "nosuch"], ["-b", "1Q"],
              ["-b", "64", "-e", "8"], ["-f", "1"], ["-n", "0"], ["--device", "nosuch"],
-             ["--device", "meta"]],
+             ["--device", "meta"], ["-d", "int32", "-o", "avg"], ["--timeout", "0"],
+             pytest.param(["--backend", "nccl"], marks=pytest.mark.skipif(
+                 torch.cuda.is_available(), reason="nccl is usable where CUDA is"))],
 )
 def test_bad_options_are_usage_errors(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
@@ -227,12 +229,16 @@ def test_device_the_backend_cannot_use_is_an_error(tmp_path: Path) -> None:
 
 
 def test_plot_without_matplotlib_names_pip(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     write_json(SweepResult({}, [_row(8)]), tmp_path / "r.json")
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
-    with pytest.raises(ImportError, match="pip install matplotlib"):
-        main(["--plot", str(tmp_path / "p.png"), str(tmp_path / "r.json")])
+    for args in (["--plot", str(tmp_path / "p.png"), str(tmp_path / "r.json")],  # plot only
+                 ["--plot", str(tmp_path / "p.png"), "--backend", "gloo"]):  # sweep, then plot
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2
+        assert "pip install matplotlib" in capsys.readouterr().err
 
 
 def test_plot_from_json_files(tmp_path: Path) -> None:

@@ -139,19 +139,25 @@ def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str,
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep (or, given JSON files, only plot them); return the exit status.
 
+    Usage errors -- an unknown dtype, op or backend, ``--op avg`` on integers, a bad
+    ``--timeout``, a backend whose package or GPU is missing, ``--plot`` without matplotlib --
+    exit with status 2 and argparse's message on every rank, before any rendezvous.
+
     Raises:
-        ImportError: ``--plot`` without matplotlib, or a backend's package is missing.
-        ValueError: unknown dtype, op or backend, or a --device the backend cannot use.
+        ValueError: a ``--device`` the backend cannot use (known only once it is built).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    if args.results:
-        return _plot_only(args)
     if args.plot is not None:  # fail before any rendezvous, on every rank
         from .plot import require_matplotlib
 
-        require_matplotlib()
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            parser.error(str(exc))
+    if args.results:
+        return _plot_only(args)
 
     import torch
 
@@ -173,7 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             raise ValueError(f"unknown backend(s) {', '.join(unknown)}; known: "
                              f"{', '.join(gc.known_backends())}")
-    except ValueError as exc:
+        for name in backends:
+            gc.check_backend(name)  # a missing package or GPU, before any rendezvous
+        if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"--op avg needs a floating-point --dtype, got {args.dtype}")
+        gc.resolve_timeout(args.timeout)  # --timeout, else GRADCOMM_TIMEOUT
+    except (ValueError, TypeError, ImportError, RuntimeError) as exc:
         parser.error(str(exc))
     elem = torch.empty((), dtype=dtype).element_size()
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor, elem)

@@ -93,7 +93,9 @@ class TorchDistRaw(RawTransport):
         ReduceOp.MIN: "MIN",
         ReduceOp.MAX: "MAX",
     }
-    _DTYPES: ClassVar[frozenset[torch.dtype]] = _NATIVE_DTYPES
+    # gloo and NCCL reduce float16/bfloat16 themselves (gloo slowly, element by element), and
+    # gradcomm hands them the 16-bit data unchanged, so the raw column compares like with like.
+    _DTYPES: ClassVar[frozenset[torch.dtype]] = _NATIVE_DTYPES | {torch.float16, torch.bfloat16}
 
     def __init__(self, backend: str, comm: Communicator, timeout: float = 300.0) -> None:
         import datetime
