@@ -417,22 +417,31 @@ def _gloo_wait_timeout(rank: int, world_size: int, flag: str) -> object:
             while not late.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             comm.all_reduce(t)
-            return t.tolist()
+            after = torch.ones(2)
+            comm.all_reduce(after)
+            return t.tolist(), after.tolist()
         work = comm.all_reduce(t, async_op=True)
         try:
             with pytest.raises(CollectiveTimeoutError, match=r"within 1\.0 s"):
                 work.wait(timeout=1.0)  # shorter than the communicator's 60 s
             assert not work.is_completed()
+            # While it is pending, a new collective would queue behind it: refused at once.
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"unusable while all_reduce #1 .* pending"):
+                comm.all_reduce(torch.ones(2))
+            assert time.monotonic() - start < 5
         finally:
             late.touch()
         work.wait()  # the collective itself is intact: it completes once rank 1 joins
         assert work.is_completed()
-        return t.tolist()
+        after = torch.ones(2)
+        comm.all_reduce(after)  # and the communicator is usable again
+        return t.tolist(), after.tolist()
 
 
 def test_gloo_work_wait_timeout_then_complete(tmp_path: Path) -> None:
     out = run_processes(_gloo_wait_timeout, 2, str(tmp_path / "late"), timeout=90)
-    assert out == [[3.0] * 5, [3.0] * 5]
+    assert out == [([3.0] * 5, [2.0, 2.0])] * 2
 
 
 def _gloo_peer_closes(rank: int, world_size: int, flag: str) -> object:

@@ -107,6 +107,11 @@ class Communicator(abc.ABC):
     complete. Every rank must call the same collectives in the same order with tensors of the same
     numel and dtype.
 
+    After a wait times out, no transport can cancel the collective, and one issued behind it would
+    wait for it: every new collective raises RuntimeError at once while the timed-out one is
+    still pending (a late peer that catches up makes the communicator usable again; a collective
+    that failed leaves it unusable).
+
     Args:
         rank: this process's index, ``0 <= rank < world_size``.
         world_size: number of processes.
@@ -149,6 +154,8 @@ class Communicator(abc.ABC):
         self._device = torch.device(device)
         self._timeout = timeout
         self._closed = False
+        # A collective whose wait timed out: new ones are refused until it completes.
+        self._stalled: Work | None = None
         self._seq = itertools.count()
         # Per (dtype, device) of the tensors seen: the error to raise for them (None: none) and
         # the tail of their descriptions, so a collective's device and dtype checks cost one dict
@@ -386,6 +393,7 @@ class Communicator(abc.ABC):
         )
         if done is not None:
             work.add_callback(done)
+        work._on_timeout = self._note_stalled
         work.wait()
 
     def close(self) -> None:
@@ -435,6 +443,31 @@ class Communicator(abc.ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
+        if self._stalled is not None:
+            self._check_stalled(self._stalled)
+
+    def _note_stalled(self, work: Work) -> None:
+        if self._stalled is None:
+            self._stalled = work
+
+    def _check_stalled(self, stalled: Work) -> None:
+        """Forget ``stalled`` once it has completed (running its callbacks); raise RuntimeError
+        while it is pending, or for good when it failed."""
+        try:
+            done = stalled.is_completed()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{self.backend} communicator is unusable: {stalled.description}, which timed "
+                f"out, then failed: {exc}"
+            ) from exc
+        if not done:
+            raise RuntimeError(
+                f"{self.backend} communicator is unusable while {stalled.description}, which "
+                "timed out, is still pending: a started collective cannot be cancelled (another "
+                "rank may have died, stopped calling collectives, or issued a different sequence "
+                "of them); wait() on its Work again to finish it"
+            )
+        self._stalled = None
 
     def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
         """Raise on a tensor this communicator cannot take; return its description tail."""
@@ -473,11 +506,11 @@ class Communicator(abc.ABC):
         kind = self._tensor_kinds[(dtype, device)] = (error, reason, tail)
         return kind
 
-    @staticmethod
-    def _finish(work: Work, async_op: bool, target: torch.Tensor) -> Work:
+    def _finish(self, work: Work, async_op: bool, target: torch.Tensor) -> Work:
         """Wait unless ``async_op``; callbacks write into ``target`` (see :func:`writing_into`)."""
         if work._callbacks:
             work._target = target
+        work._on_timeout = self._note_stalled
         if not async_op:
             work.wait()
         return work

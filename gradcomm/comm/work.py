@@ -94,6 +94,9 @@ class Work(abc.ABC):
         # The caller's tensor that callbacks write results into (set by the Communicator): they
         # run in writing_into(it), else under torch.no_grad().
         self._target: torch.Tensor | None = None
+        # Told when a wait times out (set by the Communicator, which then refuses new collectives
+        # while this one is still pending).
+        self._on_timeout: Callable[[Work], None] | None = None
 
     @property
     def description(self) -> str:
@@ -147,6 +150,8 @@ class Work(abc.ABC):
         try:
             self._wait(limit)
         except TimeoutError as exc:
+            if self._on_timeout is not None:
+                self._on_timeout(self)
             raise CollectiveTimeoutError(
                 f"{self.description} did not complete within {limit} s; another rank may have "
                 "died, stopped calling collectives, or issued a different sequence of them"

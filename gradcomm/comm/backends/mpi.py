@@ -47,7 +47,8 @@ does, from its backward hooks) drive the transfer forward.
 Failure behaviour: a collective that does not complete within the communicator's timeout (or the
 timeout given to ``wait``) raises :class:`~gradcomm.CollectiveTimeoutError`; MPI cannot cancel a
 started collective, so every later collective on the communicator raises RuntimeError for as long
-as that one is still pending (a late peer that catches up makes it usable again). A :class:`MPIWork`
+as that one is still pending (a late peer that catches up makes it usable again; see
+:class:`~gradcomm.comm.Communicator`). A :class:`MPIWork`
 dropped before completion is kept by the communicator until MPI is done with its buffers (its
 copy-back and averaging still run then, at a later collective). Under ``mpiexec`` with more than
 one rank, creating a communicator installs (once per process, chaining
@@ -155,8 +156,6 @@ class MPIWork(Work):
         description: what the collective is, for error messages.
         timeout: default timeout of :meth:`wait`, seconds (``None``: forever).
         keepalive: objects (tensors, buffers) that must outlive the request.
-        on_timeout: called with this work when a wait times out (the communicator then refuses
-            new collectives until this one completes).
         orphans: where a work dropped before completion puts itself (the communicator's list,
             tested at each later collective, which also runs the work's callbacks): MPI still
             reads and writes its buffers, and the standard forbids freeing a pending
@@ -172,14 +171,12 @@ class MPIWork(Work):
         description: DescriptionLike,
         timeout: float | None,
         keepalive: tuple[object, ...] = (),
-        on_timeout: Callable[[MPIWork], None] | None = None,
         orphans: list[MPIWork] | None = None,
     ) -> None:
         super().__init__(description, timeout)
         self._request = request
         # None once the request completed: nothing needs to outlive it any more.
         self._keepalive: tuple[object, ...] | None = keepalive
-        self._on_timeout = on_timeout
         self._orphans = orphans
 
     def __del__(self) -> None:
@@ -205,7 +202,7 @@ class MPIWork(Work):
                     return
             t = now()
             if deadline is not None and t >= deadline:
-                self._timed_out()
+                raise TimeoutError(f"{self.description}: MPI request still pending")
             waited = t - start
             if waited < _SPIN_S:
                 if waited >= _YIELD_AFTER_S:
@@ -213,11 +210,6 @@ class MPIWork(Work):
             else:
                 pause = min(max(pause * 2.0, _SLEEP_START_S), _SLEEP_CAP_S)
                 time.sleep(pause)
-
-    def _timed_out(self) -> None:
-        if self._on_timeout is not None:
-            self._on_timeout(self)
-        raise TimeoutError(f"{self.description}: MPI request still pending")
 
 
 _HalfReduce = Callable[[torch.Tensor, torch.Tensor], object]
@@ -364,8 +356,6 @@ class MPICommunicator(Communicator):
         )
         self.launch = launch
         self._comm: MPIModule.Intracomm | None = world.Dup()
-        # A collective whose wait timed out: new ones are refused until it completes.
-        self._stalled: MPIWork | None = None
         # Works dropped by their caller before they completed; see MPIWork.
         self._orphans: list[MPIWork] = []
         self._scratch = _ScratchPool()
@@ -544,27 +534,18 @@ class MPICommunicator(Communicator):
 
     # ------------------------------------------------------------------ helpers
     def _live_comm(self) -> MPIModule.Intracomm:
-        if self._stalled is not None or self._orphans:
+        if self._orphans:
             self._settle()
-            stalled = self._stalled
-            if stalled is not None:
-                raise RuntimeError(
-                    f"mpi communicator is unusable while {stalled.description}, which timed "
-                    "out, is still pending: MPI cannot cancel a started collective (another "
-                    "rank may have died, stopped calling collectives, or issued a different "
-                    "sequence of them); wait() on its Work again to finish it"
-                )
         if self._comm is None:
             raise RuntimeError("mpi communicator is closed")
         return self._comm
 
     def _settle(self) -> None:
         """Test the timed-out and the dropped collectives (which drives MPI's progress) and forget
-        those that have completed."""
+        those that have completed (running their callbacks)."""
         if self._orphans:
             self._orphans[:] = [w for w in self._orphans if not w.is_completed()]
-        stalled = self._stalled
-        if stalled is not None and stalled.is_completed():  # runs its callbacks
+        if self._stalled is not None and self._stalled.is_completed():
             self._stalled = None
 
     def _half_user_op(self, op: ReduceOp) -> bool:
@@ -577,19 +558,13 @@ class MPICommunicator(Communicator):
             return False
         return op in (ReduceOp.MIN, ReduceOp.MAX) or self.world_size <= _USER_OP_MAX_WORLD
 
-    def _mark_stalled(self, work: MPIWork) -> None:
-        if self._stalled is None:
-            self._stalled = work
-
     def _work(
         self,
         request: MPI.Request,
         description: DescriptionLike,
         keepalive: tuple[object, ...],
     ) -> Work:
-        return MPIWork(
-            request, description, self._timeout, keepalive, self._mark_stalled, self._orphans
-        )
+        return MPIWork(request, description, self._timeout, keepalive, self._orphans)
 
     def _datatype(self, dtype: torch.dtype) -> MPI.Datatype:
         found = self._datatypes.get(dtype)
