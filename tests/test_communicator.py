@@ -16,6 +16,7 @@ import torch
 from mpi_scripts.collective_checks import (
     check_any_dtype_moves,
     check_awkward_targets,
+    check_complex,
     check_sign_bits,
 )
 
@@ -162,7 +163,7 @@ def check_bad_input(comm: Communicator) -> None:
             comm.all_reduce(torch.ones(3, device="meta"))
         with pytest.raises(ValueError, match="meta"):
             comm.broadcast(torch.ones(3, device="meta"))
-        for dtype in (torch.bool, torch.complex64, torch.uint16, torch.float8_e4m3fn):
+        for dtype in (torch.bool, torch.uint16, torch.float8_e4m3fn):
             if not comm.supports(dtype).is_supported:
                 with pytest.raises(TypeError, match=str(dtype)):
                     comm.all_reduce(torch.zeros(3, dtype=dtype))
@@ -204,6 +205,7 @@ def full_suite(comm: Communicator, handshake: Path, dtypes: list[torch.dtype]) -
     check_sign_bits(comm)
     check_any_dtype_moves(comm)
     check_awkward_targets(comm)
+    check_complex(comm)
     check_async(comm, handshake)
     check_closed(comm)
     return "ok"

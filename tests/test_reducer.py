@@ -86,6 +86,48 @@ def test_grads_equal_global_batch_reference(world_size: int, view: bool) -> None
     assert_identical(out)
 
 
+class _ComplexNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.w = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64, generator=g))
+        self.head = nn.Linear(3, 1)
+        with torch.no_grad():  # not from the global RNG: ranks are threads of one process
+            self.head.weight.copy_(torch.randn(1, 3, generator=g))
+            self.head.bias.copy_(torch.randn(1, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((self.w @ x.T).abs().T)
+
+
+def _complex_batch(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(5, 4, dtype=torch.complex64, generator=g)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_complex_parameters_equal_global_batch_reference(view: bool) -> None:
+    # No transport reduces complex numbers: the buckets go as their real view (as DDP does).
+    ref_model = _ComplexNet()
+    ref_model(torch.cat([_complex_batch(r) for r in range(2)])).pow(2).mean().backward()
+    ref = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        model = _ComplexNet()
+        GradientReducer(model, comm, gradient_as_bucket_view=view)
+        model(_complex_batch(comm.rank)).pow(2).mean().backward()
+        return grads_of(model)
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    assert out[0]["w"] is not None and out[0]["w"].dtype == torch.complex64
+    for name, want in ref.items():
+        got = out[0][name]
+        assert got is not None and torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
+    assert not torch.allclose(ref["w"].imag, torch.zeros(3, 4))  # the imaginary part counts
+    assert_identical(out)
+
+
 @pytest.mark.parametrize("view", [False, True])
 def test_backward_with_create_graph_averages_values(view: bool) -> None:
     # backward(create_graph=True) (gradient penalties) leaves grad mode on inside the hooks: the
@@ -824,6 +866,7 @@ def test_timeout_names_the_bucket() -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         model = nn.Sequential(nn.Linear(3, 3))
         GradientReducer(model, comm)
+        model(torch.ones(1, 3)).sum().backward()  # both ranks: one normal step
         if comm.rank == 0:
             model(torch.ones(1, 3)).sum().backward()
         return "done"
@@ -832,6 +875,46 @@ def test_timeout_names_the_bucket() -> None:
     assert out[1] == "done"
     assert isinstance(out[0], gradcomm.CollectiveTimeoutError)
     assert "bucket 0" in str(out[0]) and "0.bias" in str(out[0])
+
+
+def test_a_comm_hook_registered_on_some_ranks_only_raises_on_every_rank() -> None:
+    # register_comm_hook is local; without a check, rank 0 would send float16 buckets against
+    # rank 1's float32 ones (garbage on MPI, an abort on gloo).
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = nn.Sequential(nn.Linear(3, 3))
+        reducer = GradientReducer(model, comm)
+        if comm.rank == 0:
+            reducer.register_comm_hook("fp16_compress")
+        try:
+            model(torch.ones(1, 3)).sum().backward()
+        except ValueError as exc:
+            mismatch = str(exc)
+        reducer.register_comm_hook("fp16_compress")  # now alike, still before a synced backward
+        model(torch.ones(1, 3)).sum().backward()
+        grads = model[0].weight.grad.clone()
+        with pytest.raises(RuntimeError, match="before the first synchronised backward"):
+            reducer.register_comm_hook("allreduce")
+        return mismatch, grads
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    for mismatch, grads in out:
+        assert "comm hook differs across ranks" in mismatch, mismatch
+        assert "fp16_compress_hook" in mismatch and "allreduce_hook" in mismatch, mismatch
+        assert torch.equal(grads, out[0][1])
+
+
+def test_first_backward_alone_times_out_checking_the_hook() -> None:
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = nn.Sequential(nn.Linear(3, 3))
+        GradientReducer(model, comm)
+        if comm.rank == 0:
+            model(torch.ones(1, 3)).sum().backward()
+        return "done"
+
+    out = run_ranks(2, fn, timeout=1.0)
+    assert isinstance(out[0], gradcomm.CollectiveTimeoutError), out
+    assert "same comm hook" in str(out[0]) and "all_gather" in str(out[0]), out[0]
 
 
 def test_bad_arguments() -> None:

@@ -102,7 +102,15 @@ def _gloo_checks(rank: int, world_size: int) -> bytes:
         out["aliased"] = all(lo <= p.grad.data_ptr() < hi for p in b.params if p.numel())
         out["no_sync"] = flat_grads(model)
 
-        # 5. a model that differs across ranks: ValueError on every rank (the group stays usable)
+        # 5. complex parameters: no transport reduces them; their real view is reduced
+        from test_reducer import _complex_batch, _ComplexNet
+
+        cmodel = _ComplexNet()
+        GradientReducer(cmodel, comm)
+        cmodel(_complex_batch(rank)).pow(2).mean().backward()
+        out["complex"] = {n: p.grad.clone() for n, p in cmodel.named_parameters()}
+
+        # 6. a model that differs across ranks: ValueError on every rank (the group stays usable)
         try:
             GradientReducer(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2 + rank)), comm)
             out["mismatch"] = "no error"
@@ -142,6 +150,15 @@ def test_gloo_two_ranks_values() -> None:
         assert r["slow_warnings"] == ["gradcomm: gloo reduces torch.bfloat16",
                                       "gradcomm: gloo reduces torch.float16"]
         assert r["aliased"]
+
+    from test_reducer import _complex_batch, _ComplexNet
+
+    cref = _ComplexNet()
+    cref(torch.cat([_complex_batch(r) for r in range(ws)])).pow(2).mean().backward()
+    for r in res:
+        for name, p in cref.named_parameters():
+            got = r["complex"][name]
+            assert got.dtype == p.dtype and torch.allclose(got, p.grad, rtol=1e-5, atol=1e-6)
 
     # no_sync: the sum of two micro-batches' global-batch gradients
     ref_model = eval_bn(make_model())

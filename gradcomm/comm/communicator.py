@@ -229,7 +229,8 @@ class Communicator(abc.ABC):
 
         Args:
             tensor: any shape, on this communicator's device type; non-contiguous tensors are
-                handled by a contiguous copy that is written back on completion.
+                handled by a contiguous copy that is written back on completion. Complex tensors
+                are reduced (SUM or AVG) as their real view.
             op: a :class:`ReduceOp` or its name; ``AVG`` needs a floating-point dtype.
             async_op: return at once with a pending :class:`Work`.
             label: names the data in error messages and profiles (e.g. ``"bucket 3"``).
@@ -246,7 +247,12 @@ class Communicator(abc.ABC):
         if op.__class__ is not ReduceOp:  # the common case skips a classmethod call
             op = ReduceOp.coerce(op)
         self._check_open()
-        tail = self._check_tensor(tensor, "all_reduce")
+        try:
+            tail = self._check_tensor(tensor, "all_reduce")
+        except TypeError:
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_complex()):
+                raise
+            return self._all_reduce_complex(tensor, op, async_op, label)
         if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(
                 f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; "
@@ -273,6 +279,27 @@ class Communicator(abc.ABC):
             work.add_callback(done)
         if buf is not tensor:
             work.add_callback(lambda: tensor.copy_(buf))
+        return self._finish(work, async_op, tensor)
+
+    def _all_reduce_complex(
+        self, tensor: torch.Tensor, op: ReduceOp, async_op: bool, label: str | None
+    ) -> Work:
+        """SUM or AVG of a complex tensor as the same op on its real view
+        (:func:`torch.view_as_real`: real and imaginary parts are summed independently), as
+        torch.distributed does for backends without complex support. No transport here reduces
+        complex numbers, and MIN, MAX and PRODUCT are not element-wise on that view."""
+        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+            raise TypeError(f"all_reduce: complex tensors ({tensor.dtype}) can be reduced with "
+                            f"SUM or AVG, not {op.name}")
+        # A conjugate view has no real view: reduce its resolved copy and write that back.
+        buf = tensor.resolve_conj() if tensor.is_conj() else tensor
+        work = self.all_reduce(torch.view_as_real(buf), op, async_op=True, label=label)
+        if buf is not tensor:
+            if work.is_completed():
+                with writing_into(tensor):
+                    tensor.copy_(buf)
+            else:
+                work.add_callback(lambda: tensor.copy_(buf))
         return self._finish(work, async_op, tensor)
 
     def _emulated_avg(self, buf: torch.Tensor, desc: DescriptionLike) -> Work:

@@ -29,12 +29,19 @@ def _digest(text: str) -> int:
                           signed=True)
 
 
-def check_fingerprint(comm: Communicator, entries: Sequence[str]) -> None:
+def check_fingerprint(
+    comm: Communicator,
+    entries: Sequence[str],
+    *,
+    problem: str = "the model differs across ranks (checked before any other collective)",
+    fix: str = "Build the same model, with the same options, on every rank.",
+) -> None:
     """Check that every rank holds the same ``entries`` (e.g. ``"name shape dtype"`` per tensor).
 
     Args:
         comm: the communicator; at world_size 1 nothing is exchanged.
         entries: one description per parameter/buffer, in registration order.
+        problem, fix: the error message's opening words and closing advice.
 
     Raises:
         ValueError: on every rank, when the entries differ; the message names the index of the
@@ -75,9 +82,8 @@ def check_fingerprint(comm: Communicator, entries: Sequence[str]) -> None:
     differing = [r for r in range(ws) if texts[r] != texts[0] or counts[r] != counts[0]]
     shown = "; ".join(f"rank {r}: {texts[r]!r} ({counts[r]} entries)" for r in [0, *differing])
     raise ValueError(
-        f"the model differs across ranks (checked before any other collective): first difference "
-        f"at entry #{first} (name shape dtype, or the reducer's options): {shown}. Build the same "
-        "model, with the same options, on every rank."
+        f"{problem}: first difference at entry #{first} (name shape dtype, or the reducer's "
+        f"options): {shown}. {fix}"
     )
 
 

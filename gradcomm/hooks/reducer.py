@@ -400,6 +400,8 @@ class GradientReducer:
         self._predivide_arg = gradient_predivide_factor
         self._hook: CommHookFn = hook_fn
         self._hook_state: Any = comm
+        # Set by the first synchronised backward, which checks that every rank uses one hook.
+        self._hook_agreed = False
 
         # ---- parameters: trainable, deduplicated, checked
         sparse_names = self._sparse_param_names()
@@ -551,11 +553,24 @@ class GradientReducer:
             hook: a :class:`CommHook`, its name, or a callable ``hook(state, bucket) -> Work``.
             state: first argument of the hook; None passes the communicator.
 
+        Call it on every rank, before the first synchronised backward pass (as DDP requires).
+        That backward checks, with one all-gather, that every rank uses the same hook (by its
+        ``module.qualname``; the built-in ones by name), and raises ValueError on every rank if
+        not; a hook that differed would pair different collectives across ranks (wrong values on
+        MPI, an abort on gloo).
+
         Raises:
-            ValueError/TypeError: unknown hook name or type. RuntimeError: a backward is in flight.
+            ValueError/TypeError: unknown hook name or type. RuntimeError: a backward is in
+            flight, or the first synchronised backward pass has already run.
         """
         if self._epoch_active:
             raise RuntimeError("cannot change the comm hook while a backward pass is being reduced")
+        if self._hook_agreed:
+            raise RuntimeError(
+                "register_comm_hook must be called on every rank before the first synchronised "
+                "backward pass (as with DDP): ranks that changed hooks later would pair different "
+                "collectives; build a new GradientReducer (after reducer.remove()) to change it"
+            )
         self._hook = resolve_comm_hook(hook)
         self._hook_state = self._comm if state is None else state
 
@@ -699,12 +714,31 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ backward
     def _begin_epoch(self) -> None:
+        if not self._hook_agreed:
+            self._agree_on_hook()
         if not self._checked:
             self._check_unchanged()
         token = _BackwardEnd(self)
         self._token = weakref.ref(token)
         self._epoch_active = True
         _queue_engine_callback(token)
+
+    def _agree_on_hook(self) -> None:
+        # register_comm_hook is a local call: before the first bucket is sent, every rank checks
+        # that the others use the same hook (once per reducer; world_size 1 exchanges nothing).
+        try:
+            check_fingerprint(
+                self._comm, [f"GradientReducer comm_hook={_qualified_name(self._hook)}"],
+                problem="the comm hook differs across ranks (checked at the first synchronised "
+                        "backward pass, before any bucket was sent)",
+                fix="Call register_comm_hook with the same hook on every rank, before training.",
+            )
+        except CollectiveTimeoutError as exc:
+            raise CollectiveTimeoutError(
+                f"checking that every rank uses the same comm hook (at the first synchronised "
+                f"backward pass): {exc}"
+            ) from exc
+        self._hook_agreed = True
 
     def _on_backward_end(self, token: _BackwardEnd) -> None:
         node = _current_autograd_node()

@@ -161,3 +161,33 @@ def check_awkward_targets(comm: Communicator) -> int:
     comm.all_reduce(t)  # still in step
     assert t.tolist() == [float(ws)] * 3, t
     return checks + 4
+
+
+def check_complex(comm: Communicator) -> int:
+    """SUM and AVG of complex tensors (contiguous, strided, conjugate views), MIN refused."""
+    n, r = comm.world_size, comm.rank
+    checks = 0
+    for dtype in (torch.complex64, torch.complex128):
+        mine = torch.tensor([complex(r + 1, -r), complex(0.5, 2.0)], dtype=dtype)
+        total = torch.tensor([complex(sum(range(1, n + 1)), -sum(range(n))),
+                              complex(0.5 * n, 2.0 * n)], dtype=dtype)
+        for op, want in (("sum", total), ("avg", total / n)):
+            t = mine.clone()
+            comm.all_reduce(t, op)
+            assert torch.allclose(t, want), (dtype, op, t, want)
+            grid = torch.zeros(2, 2, dtype=dtype)
+            grid[:, 1] = mine
+            comm.all_reduce(grid[:, 1], op)  # non-contiguous
+            assert torch.allclose(grid[:, 1], want) and bool((grid[:, 0] == 0).all()), grid
+            conj = mine.conj().clone().conj()  # a conjugate view of conj(mine): reads as mine
+            assert conj.is_conj()
+            comm.all_reduce(conj, op)
+            assert torch.allclose(conj, want), (dtype, op, "conj", conj)
+            checks += 3
+    try:
+        comm.all_reduce(torch.ones(2, dtype=torch.complex64), "max")
+    except TypeError as exc:
+        assert "SUM or AVG" in str(exc), exc
+    else:
+        raise AssertionError("MAX of a complex tensor did not raise TypeError")
+    return checks + 1

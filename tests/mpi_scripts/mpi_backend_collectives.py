@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from collective_checks import check_any_dtype_moves, check_awkward_targets, check_sign_bits
+from collective_checks import (
+    check_any_dtype_moves,
+    check_awkward_targets,
+    check_complex,
+    check_sign_bits,
+)
 
 import gradcomm
 from gradcomm.comm.backends.mpi import MPICommunicator
@@ -130,6 +135,7 @@ def main() -> None:
     checks += check_sign_bits(comm)  # negative/conjugate views: values, not raw memory
     checks += check_any_dtype_moves(comm)
     checks += check_awkward_targets(comm)
+    checks += check_complex(comm)
 
     # barrier
     comm.barrier()

@@ -127,7 +127,7 @@ class CudaEventWork(Work):
         super().__init__(description, timeout)
         self._event = event
         self._check_error = check_error
-        self._on_timeout = on_timeout
+        self._on_cuda_timeout = on_timeout
 
     def _test(self) -> bool:
         if bool(self._event.query()):
@@ -140,7 +140,7 @@ class CudaEventWork(Work):
         delay = self.POLL_MIN_S
         while not self._test():
             if deadline is not None and time.monotonic() >= deadline:
-                self._on_timeout()
+                self._on_cuda_timeout()
                 raise TimeoutError(f"{self.description}: CUDA event not reached")
             time.sleep(delay)
             delay = min(2 * delay, self.POLL_MAX_S)

@@ -34,7 +34,8 @@ CUDA tensors (``device=cuda``)  as above       CuPy views when MPI is CUDA-aware
                                                staged through pinned host memory, reported as
                                                emulated-slow (``GRADCOMM_MPI_CUDA_AWARE=0|1``
                                                overrides detection); fp16/bf16 always upcast
-other dtypes (complex, ...)     unsupported    all_reduce raises TypeError
+complex64, complex128           via real view  the base class reduces ``view_as_real`` (SUM/AVG)
+other dtypes (float8, ...)      unsupported    all_reduce raises TypeError
 ==============================  =============  ===============================================
 
 Progress: MPICH (and Open MPI by default) has no asynchronous progress thread, so an outstanding

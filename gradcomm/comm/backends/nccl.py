@@ -9,7 +9,8 @@ float16, bfloat16, float32, float64          native        bfloat16 needs NCCL >
                                                            CUDA build of torch >= 2.0 has it)
 int8, uint8, int32, int64                    native
 ReduceOp SUM, AVG, MIN, MAX, PRODUCT         native        AVG is ``ncclAvg``
-other dtypes (bool, complex, float8, ...)    unsupported   TypeError
+other dtypes (bool, float8, ...)             unsupported   TypeError (complex: the base class
+                                                           reduces the real view)
 CPU tensors, or a GPU other than ``device``  unsupported   ValueError / TypeError
 ===========================================  ============  =====================================
 

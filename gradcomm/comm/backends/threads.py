@@ -115,7 +115,7 @@ class ThreadGroup:
 
 
 class ThreadCommunicator(Communicator):
-    """Rank ``rank`` of a :class:`ThreadGroup`; CPU tensors, every dtype, every op."""
+    """Rank ``rank`` of a :class:`ThreadGroup`; CPU tensors, every real dtype, every op."""
 
     backend = "threads"
 
@@ -139,6 +139,8 @@ class ThreadCommunicator(Communicator):
         dev = self.device if device is None else torch.device(device)
         if dev.type != "cpu":
             return Support(SupportLevel.UNSUPPORTED, "the threads backend is CPU-only")
+        if dtype.is_complex:  # as on the real transports: the base class reduces the real view
+            return Support(SupportLevel.UNSUPPORTED, f"the threads backend cannot reduce {dtype}")
         return Support(SupportLevel.NATIVE, "", dtype)
 
     def _submit(self, fn: Callable[[], None], description: DescriptionLike) -> Work:
