@@ -489,5 +489,31 @@ def test_gloo_failed_collective_is_never_reported_complete(tmp_path: Path) -> No
 def test_wait_rejects_a_negative_timeout_even_when_complete() -> None:
     from gradcomm.comm.work import CompletedWork
 
-    with pytest.raises(ValueError, match="timeout must be >= 0"):
-        CompletedWork().wait(timeout=-1)
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be >= 0"):
+            CompletedWork().wait(timeout=bad)
+    CompletedWork().wait(timeout=float("inf"))  # forever: fine
+
+
+def test_wait_with_infinite_timeout_waits_and_nan_is_refused() -> None:
+    group = ThreadGroup(2, timeout=30)
+
+    def body(comm: Communicator) -> list[float]:
+        t = torch.ones(2)
+        work = comm.all_reduce(t, async_op=True)
+        with pytest.raises(ValueError, match="timeout must be >= 0"):
+            work.wait(timeout=float("nan"))
+        work.wait(timeout=float("inf"))
+        return t.tolist()
+
+    assert group.run(body) == [[2.0, 2.0]] * 2
+
+
+def test_supports_takes_a_dtype_and_init_a_string_mapping() -> None:
+    comm = ThreadGroup(1).communicator(0)
+    with pytest.raises(TypeError, match=r"torch\.dtype"):
+        comm.supports("float32")  # type: ignore[arg-type]
+    assert comm.supports(torch.float32).is_supported
+    for env in ([], {"RANK": 0, "WORLD_SIZE": "1"}):
+        with pytest.raises(TypeError, match="env must be a mapping of str to str"):
+            gradcomm.init("gloo", env=env)  # type: ignore[arg-type]

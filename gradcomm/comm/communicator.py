@@ -212,9 +212,20 @@ class Communicator(abc.ABC):
         return False
 
     # ------------------------------------------------------------------ capability
-    @abc.abstractmethod
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
-        """Say how this backend reduces tensors of ``dtype`` on ``device`` (default: its device)."""
+        """Say how this backend reduces tensors of ``dtype`` on ``device`` (default: its device).
+
+        Raises:
+            TypeError: ``dtype`` is not a :class:`torch.dtype` (e.g. the string ``"float32"``).
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"supports() takes a torch.dtype, got {type(dtype).__name__} "
+                            f"{dtype!r} (e.g. torch.float32)")
+        return self._supports(dtype, device)
+
+    @abc.abstractmethod
+    def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
+        """The backend's answer for :meth:`supports` (``dtype`` is a torch.dtype)."""
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(

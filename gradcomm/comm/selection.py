@@ -116,13 +116,19 @@ def init(
         A :class:`~gradcomm.comm.Communicator`; use it as a context manager or call ``close()``.
 
     Raises:
+        TypeError: ``env`` is not a mapping of strings to strings.
         ValueError: unknown backend name (the message lists the known ones), bad timeout or
             ranks, or a ``GRADCOMM_PROFILE`` value that is neither on nor off.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed.
     """
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
+    elif not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise TypeError(f"env must be a mapping of str to str (like os.environ), got {env!r}")
     choice = select_backend(backend, env)
     seconds = resolve_timeout(timeout, env)
     launch: LaunchInfo = detect_launch(env, rank=rank, world_size=world_size, local_rank=local_rank)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -133,14 +134,20 @@ class Work(abc.ABC):
         """Block until the collective is complete and its result is in the tensor.
 
         Args:
-            timeout: seconds to wait; ``None`` uses the communicator's timeout.
+            timeout: seconds to wait (``math.inf``: forever); ``None`` uses the communicator's
+                timeout.
 
         Raises:
+            ValueError: ``timeout`` is negative or NaN.
             CollectiveTimeoutError: not complete within the timeout (a RuntimeError subclass).
             RuntimeError: the transport failed (e.g. a peer closed its connection).
             Exception: whatever a callback added with :meth:`add_callback` raised.
         """
         limit = self.timeout if timeout is None else timeout
+        if limit is not None and not limit < math.inf:  # NaN and +inf fail this test
+            if limit != math.inf:
+                raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
+            limit = None  # wait forever
         if limit is not None and limit < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
         if self._done:

@@ -262,7 +262,7 @@ class CupyNCCLCommunicator(Communicator):
         """True: NCCL kernels run on their own CUDA stream while backward computes."""
         return True
 
-    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+    def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
         dev = self.device if device is None else torch.device(device)
         support = nccl_support(dtype, dev, self.backend)
         if support.is_supported and dtype not in self._dtypes:  # bfloat16 before NCCL 2.10

@@ -66,7 +66,7 @@ class GlooCommunicator(TorchDistCommunicator):
         """True when each process on this host has >= 2 CPU cores: one for gloo's worker thread."""
         return cpus_per_local_process(self.launch.local_world_size) >= 2
 
-    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+    def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
         dev = self.device if device is None else torch.device(device)
         if dev.type != "cpu":
             return Support(

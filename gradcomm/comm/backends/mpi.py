@@ -411,7 +411,7 @@ class MPICommunicator(Communicator):
         return self._cuda_aware
 
     # ------------------------------------------------------------------ capability
-    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+    def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
         """How ``dtype`` on ``device`` (default: this communicator's) is all-reduced.
 
         Returns NATIVE for the dtypes MPI reduces itself, EMULATED_SLOW with ``transfer_dtype``
@@ -423,10 +423,10 @@ class MPICommunicator(Communicator):
         key = (dtype, dev_type)
         cached = self._support_cache.get(key)
         if cached is None:
-            cached = self._support_cache[key] = self._support(dtype, dev_type)
+            cached = self._support_cache[key] = self._classify(dtype, dev_type)
         return cached
 
-    def _support(self, dtype: torch.dtype, dev_type: str) -> Support:
+    def _classify(self, dtype: torch.dtype, dev_type: str) -> Support:
         if dev_type != self.device.type:
             return Support(
                 SupportLevel.UNSUPPORTED,

@@ -185,7 +185,7 @@ class NCCLCommunicator(TorchDistCommunicator):
         """True: NCCL kernels run on their own CUDA stream while backward computes."""
         return True
 
-    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+    def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
         dev = self.device if device is None else torch.device(device)
         return nccl_support(dtype, dev, self.backend)
 

@@ -135,7 +135,7 @@ class ThreadCommunicator(Communicator):
         """True: each rank's collectives run on a worker thread of their own."""
         return True
 
-    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
+    def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
         dev = self.device if device is None else torch.device(device)
         if dev.type != "cpu":
             return Support(SupportLevel.UNSUPPORTED, "the threads backend is CPU-only")
