@@ -154,8 +154,10 @@ class Communicator(abc.ABC):
         self._device = torch.device(device)
         self._timeout = timeout
         self._closed = False
-        # A collective whose wait timed out: new ones are refused until it completes.
+        # A collective whose wait timed out: new ones are refused until it completes. Works are
+        # told of _note_stalled through this bound method, made once rather than per collective.
         self._stalled: Work | None = None
+        self._stall_note = self._note_stalled
         self._seq = itertools.count()
         # Per (dtype, device) of the tensors seen: the error to raise for them (None: none) and
         # the tail of their descriptions, so a collective's device and dtype checks cost one dict
@@ -431,7 +433,7 @@ class Communicator(abc.ABC):
         )
         if done is not None:
             work.add_callback(done)
-        work._on_timeout = self._note_stalled
+        work._on_timeout = self._stall_note
         work.wait()
 
     def close(self) -> None:
@@ -548,7 +550,7 @@ class Communicator(abc.ABC):
         """Wait unless ``async_op``; callbacks write into ``target`` (see :func:`writing_into`)."""
         if work._callbacks:
             work._target = target
-        work._on_timeout = self._note_stalled
+        work._on_timeout = self._stall_note
         if not async_op:
             work.wait()
         return work

@@ -21,6 +21,8 @@ from .errors import CollectiveTimeoutError
 
 __all__ = ["Work", "CompletedWork", "Description", "DescriptionLike", "writing_into"]
 
+_INF = math.inf
+
 
 class Description:
     """What a collective is, for error messages and ``repr``; the text is built only when read.
@@ -85,19 +87,22 @@ class Work(abc.ABC):
         timeout: default timeout of :meth:`wait` in seconds; ``None`` waits forever.
     """
 
+    # Class-level defaults, set on an instance only when they change: fewer stores per
+    # collective (each costs more between large collectives, whose traffic leaves caches cold).
+    #: The first exception a callback raised: wait() raises it again every time.
+    _error: Exception | None = None
+    #: The caller's tensor that callbacks write results into (set by the Communicator): they run
+    #: in writing_into(it), else under torch.no_grad().
+    _target: torch.Tensor | None = None
+    #: Told when a wait times out (set by the Communicator, which then refuses new collectives
+    #: while this one is still pending).
+    _on_timeout: Callable[[Work], None] | None = None
+
     def __init__(self, description: DescriptionLike, timeout: float | None) -> None:
         self._description = description
         self.timeout = timeout
         self._done = False
-        # The first exception a callback raised: wait() raises it again every time.
-        self._error: Exception | None = None
         self._callbacks: list[Callable[[], object]] = []
-        # The caller's tensor that callbacks write results into (set by the Communicator): they
-        # run in writing_into(it), else under torch.no_grad().
-        self._target: torch.Tensor | None = None
-        # Told when a wait times out (set by the Communicator, which then refuses new collectives
-        # while this one is still pending).
-        self._on_timeout: Callable[[Work], None] | None = None
 
     @property
     def description(self) -> str:
@@ -144,12 +149,10 @@ class Work(abc.ABC):
             Exception: whatever a callback added with :meth:`add_callback` raised.
         """
         limit = self.timeout if timeout is None else timeout
-        if limit is not None and not limit < math.inf:  # NaN and +inf fail this test
-            if limit != math.inf:
+        if limit is not None and not 0.0 <= limit < _INF:  # negative, NaN or +inf
+            if limit != _INF:
                 raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
             limit = None  # wait forever
-        if limit is not None and limit < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
         if self._done:
             if self._error is not None:
                 raise self._error

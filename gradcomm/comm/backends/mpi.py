@@ -157,10 +157,11 @@ class MPIWork(Work):
         description: what the collective is, for error messages.
         timeout: default timeout of :meth:`wait`, seconds (``None``: forever).
         keepalive: objects (tensors, buffers) that must outlive the request.
-        orphans: where a work dropped before completion puts itself (the communicator's list,
-            tested at each later collective, which also runs the work's callbacks): MPI still
-            reads and writes its buffers, and the standard forbids freeing a pending
-            collective's request, so neither may die with the handle.
+        inflight: the communicator's list of pending works, which holds this one until its
+            request completes (it removes itself then): MPI still reads and writes its buffers,
+            and the standard forbids freeing a pending collective's request, so neither may die
+            with a handle the caller dropped. Later collectives test the oldest pending work,
+            which also runs its callbacks.
 
     ``_test`` calls ``Request.Test()`` (which also drives MPI's progress engine); ``_wait`` polls
     it until the request completes or the deadline passes, then raises :class:`TimeoutError`.
@@ -172,21 +173,26 @@ class MPIWork(Work):
         description: DescriptionLike,
         timeout: float | None,
         keepalive: tuple[object, ...] = (),
-        orphans: list[MPIWork] | None = None,
+        inflight: list[MPIWork] | None = None,
     ) -> None:
         super().__init__(description, timeout)
         self._request = request
         # None once the request completed: nothing needs to outlive it any more.
         self._keepalive: tuple[object, ...] | None = keepalive
-        self._orphans = orphans
+        self._inflight = inflight
+        if inflight is not None:
+            inflight.append(self)
 
-    def __del__(self) -> None:
-        if self._keepalive is not None and self._orphans is not None:
-            self._orphans.append(self)  # resurrected until it completes (PEP 442)
+    def _release(self) -> None:
+        """The request completed: drop the buffers and leave the communicator's pending list."""
+        self._keepalive = None
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.remove(self)
 
     def _test(self) -> bool:
         if self._request.Test():
-            self._keepalive = None
+            self._release()
             return True
         return False
 
@@ -199,7 +205,7 @@ class MPIWork(Work):
         while True:
             for _ in range(_TESTS_PER_CHECK):
                 if test():
-                    self._keepalive = None
+                    self._release()
                     return
             t = now()
             if deadline is not None and t >= deadline:
@@ -357,8 +363,8 @@ class MPICommunicator(Communicator):
         )
         self.launch = launch
         self._comm: MPIModule.Intracomm | None = world.Dup()
-        # Works dropped by their caller before they completed; see MPIWork.
-        self._orphans: list[MPIWork] = []
+        # Works whose requests have not completed, oldest first (see MPIWork).
+        self._inflight: list[MPIWork] = []
         self._scratch = _ScratchPool()
         self._datatypes: dict[torch.dtype, MPI.Datatype] = {}
         self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
@@ -527,27 +533,22 @@ class MPICommunicator(Communicator):
         comm, self._comm = self._comm, None
         if comm is None or MPI.Is_finalized():
             return
-        self._settle()
+        for work in list(self._inflight):
+            work.is_completed()
         # A communicator with a collective still pending (a timed-out or dropped one, whose peer
         # may be dead) is left to MPI_Finalize: freeing it would wait for that collective.
-        if self._stalled is None and not self._orphans:
+        if not self._inflight:
             comm.Free()
 
     # ------------------------------------------------------------------ helpers
     def _live_comm(self) -> MPIModule.Intracomm:
-        if self._orphans:
-            self._settle()
+        if self._inflight:
+            # Drives the oldest pending collective, which may be one whose Work was dropped: it
+            # completes (its callbacks run) and leaves the list, freeing its buffers.
+            self._inflight[0].is_completed()
         if self._comm is None:
             raise RuntimeError("mpi communicator is closed")
         return self._comm
-
-    def _settle(self) -> None:
-        """Test the timed-out and the dropped collectives (which drives MPI's progress) and forget
-        those that have completed (running their callbacks)."""
-        if self._orphans:
-            self._orphans[:] = [w for w in self._orphans if not w.is_completed()]
-        if self._stalled is not None and self._stalled.is_completed():
-            self._stalled = None
 
     def _half_user_op(self, op: ReduceOp) -> bool:
         """Whether a float16/bfloat16 all-reduce with ``op`` uses the 16-bit user-defined op.
@@ -565,7 +566,7 @@ class MPICommunicator(Communicator):
         description: DescriptionLike,
         keepalive: tuple[object, ...],
     ) -> Work:
-        return MPIWork(request, description, self._timeout, keepalive, self._orphans)
+        return MPIWork(request, description, self._timeout, keepalive, self._inflight)
 
     def _datatype(self, dtype: torch.dtype) -> MPI.Datatype:
         found = self._datatypes.get(dtype)
