@@ -441,6 +441,35 @@ def _gloo_wait_timeout(rank: int, world_size: int, flag: str) -> object:
         return t.tolist(), after.tolist()
 
 
+def _gloo_longer_wait(rank: int, world_size: int, flag: str) -> object:
+    done = Path(flag)
+    with gradcomm.init("gloo", timeout=1.0) as comm:
+        comm.barrier()
+        if rank == 1:  # never joins; leaves once rank 0 has its error
+            deadline = time.monotonic() + 60
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return "idle"
+        work = comm.all_reduce(torch.ones(2), async_op=True)
+        start = time.monotonic()
+        try:
+            work.wait(timeout=float("inf"))
+        except CollectiveTimeoutError as exc:
+            return time.monotonic() - start, str(exc)
+        finally:
+            done.touch()
+        return "no error"
+
+
+def test_gloo_wait_cannot_outlast_the_group_timeout_and_says_so(tmp_path: Path) -> None:
+    # gloo ends the collective at the process group's timeout (init's) whatever the wait asks.
+    (elapsed, message), idle = run_processes(_gloo_longer_wait, 2, str(tmp_path / "f"), timeout=90)
+    assert idle == "idle"
+    assert elapsed < 30, elapsed
+    assert "within 1.0 s (the communicator's timeout" in message, message
+    assert "the wait asked for no limit" in message, message
+
+
 def test_gloo_work_wait_timeout_then_complete(tmp_path: Path) -> None:
     out = run_processes(_gloo_wait_timeout, 2, str(tmp_path / "late"), timeout=90)
     assert out == [([3.0] * 5, [2.0, 2.0])] * 2

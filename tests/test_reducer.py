@@ -128,6 +128,27 @@ def test_complex_parameters_equal_global_batch_reference(view: bool) -> None:
     assert_identical(out)
 
 
+@pytest.mark.parametrize("hook", ["fp16_compress", "bf16_compress"])
+def test_compression_of_a_complex_bucket_keeps_the_imaginary_part(hook: str) -> None:
+    ref_model = _ComplexNet()
+    ref_model(torch.cat([_complex_batch(r) for r in range(2)])).pow(2).mean().backward()
+    ref = ref_model.w.grad
+
+    def fn(comm: ThreadCommunicator) -> torch.Tensor:
+        model = _ComplexNet()
+        GradientReducer(model, comm, comm_hook=hook)
+        model(_complex_batch(comm.rank)).pow(2).mean().backward()
+        return model.w.grad.clone()
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    scale = float(ref.abs().max())
+    for got in out:
+        assert got.dtype == torch.complex64
+        assert float((got - ref).abs().max()) < 2e-2 * scale, (got, ref)  # 16-bit rounding
+    assert float(ref.imag.abs().max()) > 0.1 * scale  # a lost imaginary part would show
+
+
 @pytest.mark.parametrize("view", [False, True])
 def test_backward_with_create_graph_averages_values(view: bool) -> None:
     # backward(create_graph=True) (gradient penalties) leaves grad mode on inside the hooks: the

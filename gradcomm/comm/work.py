@@ -110,6 +110,11 @@ class Work(abc.ABC):
         rank 0/2)"`` (formatted on first read)."""
         return str(self._description)
 
+    def _limit(self, requested: float | None) -> float | None:
+        """The timeout that will really apply to a wait of ``requested`` seconds (None: none);
+        a transport that enforces its own, shorter limit says so here."""
+        return requested
+
     # Backends implement these two.
     @abc.abstractmethod
     def _wait(self, timeout: float | None) -> None:
@@ -140,7 +145,9 @@ class Work(abc.ABC):
 
         Args:
             timeout: seconds to wait (``math.inf``: forever); ``None`` uses the communicator's
-                timeout.
+                timeout. On gloo and nccl the process group ends a collective at the
+                communicator's timeout whatever the wait, so a longer wait is cut to it (and the
+                error says so).
 
         Raises:
             ValueError: ``timeout`` is negative or NaN.
@@ -157,14 +164,19 @@ class Work(abc.ABC):
             if self._error is not None:
                 raise self._error
             return
+        applied = self._limit(limit)
         try:
-            self._wait(limit)
+            self._wait(applied)
         except TimeoutError as exc:
             if self._on_timeout is not None:
                 self._on_timeout(self)
+            cut = "" if applied == limit else (
+                f" (the communicator's timeout, which its transport enforces; the wait asked for "
+                f"{'no limit' if limit is None else f'{limit} s'})"
+            )
             raise CollectiveTimeoutError(
-                f"{self.description} did not complete within {limit} s; another rank may have "
-                "died, stopped calling collectives, or issued a different sequence of them"
+                f"{self.description} did not complete within {applied} s{cut}; another rank may "
+                "have died, stopped calling collectives, or issued a different sequence of them"
             ) from exc
         self._finish()
 

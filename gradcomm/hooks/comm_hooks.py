@@ -169,7 +169,8 @@ def compress_wrapper(hook: CommHookFn, dtype: torch.dtype) -> CommHookFn:
     The wrapped hook casts ``bucket.buffer()`` to ``dtype`` (compress), runs ``hook`` on that copy,
     and once its Work completes casts the result back into the original buffer (decompress), as
     Horovod's ``Compressor.compress``/``decompress`` and torch's ``fp16_compress_wrapper`` do. A
-    bucket already of ``dtype`` is passed through unchanged.
+    bucket already of ``dtype`` is passed through unchanged; a complex bucket is compressed as its
+    real view (real and imaginary parts each cast to ``dtype``).
 
     Raises:
         TypeError: ``dtype`` is not a floating-point dtype.
@@ -179,13 +180,16 @@ def compress_wrapper(hook: CommHookFn, dtype: torch.dtype) -> CommHookFn:
 
     def compressed_hook(state: Any, bucket: GradBucket) -> Work:
         flat = bucket.buffer()
-        if flat.dtype == dtype:
+        # A complex bucket is compressed as its real view: casting it would drop the imaginary
+        # parts (and a complex float16 is not what the transports reduce).
+        source = torch.view_as_real(flat).view(-1) if flat.is_complex() else flat
+        if source.dtype == dtype:
             return hook(state, bucket)
-        wire = flat.to(dtype)
+        wire = source.to(dtype)
         work = hook(state, bucket.with_buffer(wire))
 
         def decompress() -> None:
-            flat.copy_(wire)
+            source.copy_(wire)
 
         return _then(work, decompress)
 

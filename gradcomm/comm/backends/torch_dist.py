@@ -65,6 +65,15 @@ class TorchWork(Work):
     ) -> None:
         super().__init__(description, timeout)
         self._work = work
+        # The process group's own timeout (the communicator's): it ends the collective then,
+        # whatever a wait asks for.
+        self._group_timeout = timeout
+
+    def _limit(self, requested: float | None) -> float | None:
+        cap = self._group_timeout
+        if cap is None or (requested is not None and requested <= cap):
+            return requested
+        return cap
 
     def _wait(self, timeout: float | None) -> None:
         try:
