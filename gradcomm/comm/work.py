@@ -127,11 +127,11 @@ class Work(abc.ABC):
     def add_callback(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` once, after the transport completes and before :meth:`wait` returns.
 
-        Its return value is ignored (so ``lambda: tensor.div_(n)`` is fine). If it raises, the
-        callbacks after it still run, and :meth:`wait` raises the first such error (every time it
-        is called). It runs under
+        Its return value is ignored (so ``lambda: tensor.div_(n)`` is fine). It runs under
         :func:`torch.no_grad` (:func:`torch.inference_mode` when the collective's tensor is an
-        inference tensor), so it may update tensors in place that autograd would refuse.
+        inference tensor), so it may update tensors in place that autograd would refuse. If it
+        raises, the callbacks after it still run, and :meth:`wait` raises the first such error
+        (every time it is called).
 
         Raises:
             RuntimeError: the work has already completed.
