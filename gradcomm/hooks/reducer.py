@@ -342,12 +342,14 @@ class GradientReducer:
     wrapper.
 
     During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
-    collective times out, ``TypeError`` naming a parameter whose gradient is sparse, and
-    ``RuntimeError`` (naming it) when a parameter or a submodule with parameters was replaced on
-    the module after wrapping, or a parameter added, unfrozen, frozen, converted to another dtype
-    or resized there (a reassigned buffer is picked up: buffers have no gradient), or when a
-    gradient was accumulated again after its bucket was sent (reentrant checkpointing of a
-    parameter also used outside the checkpointed region: use ``use_reentrant=False``).
+    collective times out (and RuntimeError from every later backward: a late rank may complete
+    the step that timed out here, so the ranks could no longer agree on which step they are in),
+    ``TypeError`` naming a parameter whose gradient is sparse, and ``RuntimeError`` (naming it)
+    when a parameter or a submodule with parameters was replaced on the module after wrapping, or
+    a parameter added, unfrozen, frozen, converted to another dtype or resized there (a
+    reassigned buffer is picked up: buffers have no gradient), or when a gradient was accumulated
+    again after its bucket was sent (reentrant checkpointing of a parameter also used outside the
+    checkpointed region: use ``use_reentrant=False``).
     """
 
     def __init__(
@@ -487,6 +489,8 @@ class GradientReducer:
         self._next = 0  # next bucket to launch
         self._polled = 0  # buckets below this index have completed
         self._removed = False
+        # Why reduction stopped for good (a collective of some backward pass failed or timed out).
+        self._failed: str | None = None
         self._checked = False  # module checked for replaced params since the last backward
         self._token: weakref.ref[_BackwardEnd] = weakref.ref(_BackwardEnd(self))  # dead
 
@@ -701,7 +705,7 @@ class GradientReducer:
         # an evaluation under torch.no_grad() on some ranks only (or one inside no_sync) issues
         # no collective; a recompute inside backward (checkpointing) does not either.
         if (self._broadcast_buffers and self._require_sync and torch.is_grad_enabled()
-                and _current_autograd_node() is None):
+                and _current_autograd_node() is None and self._failed is None):
             broadcast_tensors(self._comm, [b for _, b in module.named_buffers()])
 
     def _discard_if_stale(self) -> None:
@@ -714,6 +718,14 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ backward
     def _begin_epoch(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"GradientReducer: an earlier backward pass failed ({self._failed}); this reducer "
+                "reduces nothing more, because the other ranks may have completed that step (a "
+                "late rank completes a collective that timed out here) and going on would average "
+                "different steps' gradients. Restart from a checkpoint, with a new communicator "
+                "and reducer."
+            )
         if not self._hook_agreed:
             self._agree_on_hook()
         if not self._checked:
@@ -734,6 +746,7 @@ class GradientReducer:
                 fix="Call register_comm_hook with the same hook on every rank, before training.",
             )
         except CollectiveTimeoutError as exc:
+            self._failed = f"checking the comm hook timed out: {exc}"
             raise CollectiveTimeoutError(
                 f"checking that every rank uses the same comm hook (at the first synchronised "
                 f"backward pass): {exc}"
@@ -841,8 +854,12 @@ class GradientReducer:
                 try:
                     b.work.wait()
                 except CollectiveTimeoutError as exc:
+                    self._failed = f"reducing {b.label()} timed out"
                     self._abort_epoch(wait=False)
                     raise CollectiveTimeoutError(f"reducing {b.label()}: {exc}") from exc
+                except RuntimeError as exc:  # the transport failed (a peer closed its connection)
+                    self._failed = f"reducing {b.label()} failed: {exc}"
+                    raise
                 self._write_back(b)
         except BaseException:
             if self._epoch_active:

@@ -92,7 +92,10 @@ class TorchWork(Work):
         # wait() then raises at once, so a failure surfaces here instead of passing as done.
         if not self._work.is_completed():
             return False
-        self._wait(None)
+        try:
+            self._wait(None)
+        except TimeoutError as exc:  # completed by the group's own timeout: it failed
+            raise RuntimeError(f"{self.description} failed: {exc}") from exc
         return True
 
 
