@@ -925,6 +925,47 @@ def test_a_comm_hook_registered_on_some_ranks_only_raises_on_every_rank() -> Non
         assert torch.equal(grads, out[0][1])
 
 
+class _FailedWork(gradcomm.Work):
+    """A collective the transport reports as failed, as gloo does when a peer closed."""
+
+    def _wait(self, timeout: float | None) -> None:
+        raise RuntimeError("fake transport: connection closed by peer")
+
+    def _test(self) -> bool:
+        raise RuntimeError("fake transport: connection closed by peer")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failure_seen_anywhere_in_backward_refuses_later_backwards(overlap: bool) -> None:
+    # With overlap the failure shows first in the progress poll of a gradient hook, mid-backward;
+    # without, in the wait at the end. Either way later backwards must refuse (a peer may have
+    # completed that step), not send new collectives.
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+        reducer = GradientReducer(model, comm, bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5,
+                                  overlap=overlap)
+        model(torch.ones(1, 3)).sum().backward()  # a good step (and the comm-hook check)
+        sent: list[int] = []
+
+        def failing(state: Any, bucket: gradcomm.hooks.GradBucket) -> gradcomm.Work:
+            sent.append(bucket.index())
+            return _FailedWork("fake all_reduce", None)
+
+        reducer._hook = failing  # the transport breaks (not register_comm_hook: that is refused)
+        errors = []
+        for _ in range(2):
+            with pytest.raises(RuntimeError) as info:
+                model(torch.ones(1, 3)).sum().backward()
+            errors.append(str(info.value))
+        return errors, sent
+
+    for errors, sent in run_ranks(2, fn):
+        assert "connection closed by peer" in errors[0], errors
+        assert "an earlier backward pass failed" in errors[1], errors
+        assert "connection closed by peer" in errors[1], errors  # names the first failure
+        assert sorted(set(sent)) == sorted(sent) and sent, sent  # nothing sent again
+
+
 def test_first_backward_alone_times_out_checking_the_hook() -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         model = nn.Sequential(nn.Linear(3, 3))

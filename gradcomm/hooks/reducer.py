@@ -746,7 +746,7 @@ class GradientReducer:
                 fix="Call register_comm_hook with the same hook on every rank, before training.",
             )
         except CollectiveTimeoutError as exc:
-            self._failed = f"checking the comm hook timed out: {exc}"
+            self._mark_failed(f"checking the comm hook timed out: {exc}")
             raise CollectiveTimeoutError(
                 f"checking that every rank uses the same comm hook (at the first synchronised "
                 f"backward pass): {exc}"
@@ -771,10 +771,20 @@ class GradientReducer:
     def _poll(self) -> None:
         # Drive progress of in-flight collectives (MPI progresses only inside MPI calls).
         while self._polled < self._next:
-            work = self._buckets[self._polled].work
-            if work is None or not work.is_completed():
-                return
+            b = self._buckets[self._polled]
+            try:
+                if b.work is None or not b.work.is_completed():
+                    return
+            except RuntimeError as exc:  # the transport failed (gloo: a peer closed or timed out)
+                self._mark_failed(f"reducing {b.label()} failed: {exc}")
+                raise
             self._polled += 1
+
+    def _mark_failed(self, why: str) -> None:
+        """Refuse every later backward (see _begin_epoch): after a collective failed or timed out
+        on this rank, the ranks may disagree on which steps completed."""
+        if self._failed is None:
+            self._failed = why
 
     def _stage(self, b: _Bucket, slot: int) -> None:
         """Put one parameter's pre-divided gradient into its bucket slot.
@@ -854,14 +864,13 @@ class GradientReducer:
                 try:
                     b.work.wait()
                 except CollectiveTimeoutError as exc:
-                    self._failed = f"reducing {b.label()} timed out"
+                    self._mark_failed(f"reducing {b.label()} timed out")
                     self._abort_epoch(wait=False)
                     raise CollectiveTimeoutError(f"reducing {b.label()}: {exc}") from exc
-                except RuntimeError as exc:  # the transport failed (a peer closed its connection)
-                    self._failed = f"reducing {b.label()} failed: {exc}"
-                    raise
                 self._write_back(b)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
+                self._mark_failed(f"{type(exc).__name__}: {exc}")
             if self._epoch_active:
                 self._abort_epoch()
             raise
@@ -963,7 +972,9 @@ def _on_grad_ready(ref: _ReducerRef, pid: int, param: torch.Tensor) -> None:
             while reducer._next < len(buckets) and buckets[reducer._next].pending == 0:
                 reducer._launch(buckets[reducer._next])
                 reducer._next += 1
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):  # the transport refused or failed a launch
+                reducer._mark_failed(f"{type(exc).__name__}: {exc}")
             reducer._abort_epoch()
             raise
     if reducer._polled < reducer._next:
