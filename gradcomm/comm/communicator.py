@@ -433,8 +433,7 @@ class Communicator(abc.ABC):
         )
         if done is not None:
             work.add_callback(done)
-        work._on_timeout = self._stall_note
-        work.wait()
+        self._finish(work, False, None)
 
     def close(self) -> None:
         """Release the transport's resources; later collectives raise RuntimeError. Idempotent."""
@@ -546,8 +545,9 @@ class Communicator(abc.ABC):
         kind = self._tensor_kinds[(dtype, device)] = (error, reason, tail)
         return kind
 
-    def _finish(self, work: Work, async_op: bool, target: torch.Tensor) -> Work:
-        """Wait unless ``async_op``; callbacks write into ``target`` (see :func:`writing_into`)."""
+    def _finish(self, work: Work, async_op: bool, target: torch.Tensor | None) -> Work:
+        """Wait unless ``async_op``; callbacks write into ``target`` (see :func:`writing_into`;
+        None: under :func:`torch.no_grad`)."""
         if work._callbacks:
             work._target = target
         work._on_timeout = self._stall_note
