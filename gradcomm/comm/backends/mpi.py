@@ -49,14 +49,13 @@ Failure behaviour: a collective that does not complete within the communicator's
 timeout given to ``wait``) raises :class:`~gradcomm.CollectiveTimeoutError`; MPI cannot cancel a
 started collective, so every later collective on the communicator raises RuntimeError for as long
 as that one is still pending (a late peer that catches up makes it usable again; see
-:class:`~gradcomm.comm.Communicator`). A :class:`MPIWork`
-dropped before completion is kept by the communicator until MPI is done with its buffers (its
-copy-back and averaging still run then, at a later collective). Under ``mpiexec`` with more than
-one rank, creating a communicator installs (once per process, chaining
-the previous hook) a :data:`sys.excepthook` that prints the traceback and calls
-``MPI.COMM_WORLD.Abort(1)`` -- what ``python -m mpi4py`` does -- so an uncaught error on one rank
-ends the whole job instead of leaving the other ranks spinning in a collective. Set
-``GRADCOMM_MPI_ABORT_ON_ERROR=0`` to opt out.
+:class:`~gradcomm.comm.Communicator`). A :class:`MPIWork` dropped before completion is kept by
+the communicator until MPI is done with its buffers (its copy-back and averaging still run then,
+at a later collective). Under ``mpiexec`` with more than one rank, creating a communicator
+installs (once per process, chaining the previous hook) a :data:`sys.excepthook` that prints the
+traceback and calls ``MPI.COMM_WORLD.Abort(1)`` -- what ``python -m mpi4py`` does -- so an
+uncaught error on one rank ends the whole job instead of leaving the other ranks spinning in a
+collective. Set ``GRADCOMM_MPI_ABORT_ON_ERROR=0`` to opt out.
 """
 
 from __future__ import annotations
