@@ -54,6 +54,13 @@ def reference(op: ReduceOp, world_size: int, dtype: torch.dtype, n: int = N) -> 
 
 
 # ----------------------------------------------------------------------------- shared checks
+def _wait_for(flag: Path, limit: float = 60.0) -> None:
+    """Wait until another rank creates ``flag`` (at most ``limit`` seconds)."""
+    deadline = time.monotonic() + limit
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def check_reductions(comm: Communicator, dtypes: list[torch.dtype]) -> None:
     """Every ReduceOp on every dtype, against the reference; AVG on integers raises TypeError."""
     for dtype in dtypes:
@@ -128,9 +135,7 @@ def check_async(comm: Communicator, handshake: Path) -> None:
         flag.touch()
         work.wait()
     else:
-        deadline = time.monotonic() + 60
-        while not flag.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(flag)
         work = comm.all_reduce(t, ReduceOp.AVG, async_op=True)
         work.wait()
     assert work.is_completed()
@@ -382,9 +387,7 @@ def _gloo_timeout(rank: int, world_size: int, timeout: float, flag: str) -> floa
         comm.barrier()  # both ranks are connected
         if rank == 1:
             # Stop calling collectives; leave only once rank 0 has seen its error (or after 60 s).
-            deadline = time.monotonic() + 60
-            while not done.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_for(done)
             return "idle"
         start = time.monotonic()
         try:
@@ -415,9 +418,7 @@ def _gloo_wait_timeout(rank: int, world_size: int, flag: str) -> object:
         comm.barrier()
         t = torch.full((5,), float(rank + 1))
         if rank == 1:  # joins only after rank 0's short wait has timed out
-            deadline = time.monotonic() + 60
-            while not late.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_for(late)
             comm.all_reduce(t)
             after = torch.ones(2)
             comm.all_reduce(after)
@@ -446,9 +447,7 @@ def _gloo_longer_wait(rank: int, world_size: int, flag: str) -> object:
     with gradcomm.init("gloo", timeout=1.0) as comm:
         comm.barrier()
         if rank == 1:  # never joins; leaves once rank 0 has its error
-            deadline = time.monotonic() + 60
-            while not done.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_for(done)
             return "idle"
         work = comm.all_reduce(torch.ones(2), async_op=True)
         start = time.monotonic()
@@ -482,9 +481,7 @@ def _gloo_peer_closes(rank: int, world_size: int, flag: str) -> object:
         if rank == 1:  # closes its connections instead of joining the all-reduce
             time.sleep(0.5)
             comm.close()
-            deadline = time.monotonic() + 60
-            while not seen.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_for(seen)
             return "closed"
         t = torch.full((10,), 5.0)
         work = comm.all_reduce(t, async_op=True, label="probe")

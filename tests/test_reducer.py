@@ -18,7 +18,11 @@ from unittest.mock import PropertyMock, patch
 import pytest
 import torch
 from mpi_scripts.reducer_common import (
+    ComplexNet,
     batch,
+    complex_batch,
+    complex_loss,
+    complex_reference_grads,
     eval_bn,
     flat_grads,
     global_batch,
@@ -86,36 +90,15 @@ def test_grads_equal_global_batch_reference(world_size: int, view: bool) -> None
     assert_identical(out)
 
 
-class _ComplexNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(5)
-        self.w = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64, generator=g))
-        self.head = nn.Linear(3, 1)
-        with torch.no_grad():  # not from the global RNG: ranks are threads of one process
-            self.head.weight.copy_(torch.randn(1, 3, generator=g))
-            self.head.bias.copy_(torch.randn(1, generator=g))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head((self.w @ x.T).abs().T)
-
-
-def _complex_batch(rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(50 + rank)
-    return torch.randn(5, 4, dtype=torch.complex64, generator=g)
-
-
 @pytest.mark.parametrize("view", [False, True])
 def test_complex_parameters_equal_global_batch_reference(view: bool) -> None:
     # No transport reduces complex numbers: the buckets go as their real view (as DDP does).
-    ref_model = _ComplexNet()
-    ref_model(torch.cat([_complex_batch(r) for r in range(2)])).pow(2).mean().backward()
-    ref = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+    ref = complex_reference_grads(2)
 
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
-        model = _ComplexNet()
+        model = ComplexNet()
         GradientReducer(model, comm, gradient_as_bucket_view=view)
-        model(_complex_batch(comm.rank)).pow(2).mean().backward()
+        complex_loss(model, complex_batch(comm.rank)).backward()
         return grads_of(model)
 
     out = run_ranks(2, fn)
@@ -130,14 +113,12 @@ def test_complex_parameters_equal_global_batch_reference(view: bool) -> None:
 
 @pytest.mark.parametrize("hook", ["fp16_compress", "bf16_compress"])
 def test_compression_of_a_complex_bucket_keeps_the_imaginary_part(hook: str) -> None:
-    ref_model = _ComplexNet()
-    ref_model(torch.cat([_complex_batch(r) for r in range(2)])).pow(2).mean().backward()
-    ref = ref_model.w.grad
+    ref = complex_reference_grads(2)["w"]
 
     def fn(comm: ThreadCommunicator) -> torch.Tensor:
-        model = _ComplexNet()
+        model = ComplexNet()
         GradientReducer(model, comm, comm_hook=hook)
-        model(_complex_batch(comm.rank)).pow(2).mean().backward()
+        complex_loss(model, complex_batch(comm.rank)).backward()
         return model.w.grad.clone()
 
     out = run_ranks(2, fn)

@@ -11,7 +11,11 @@ from typing import Any
 
 import torch
 from mpi_scripts.reducer_common import (
+    ComplexNet,
     batch,
+    complex_batch,
+    complex_loss,
+    complex_reference_grads,
     eval_bn,
     flat_grads,
     global_batch,
@@ -103,11 +107,9 @@ def _gloo_checks(rank: int, world_size: int) -> bytes:
         out["no_sync"] = flat_grads(model)
 
         # 5. complex parameters: no transport reduces them; their real view is reduced
-        from test_reducer import _complex_batch, _ComplexNet
-
-        cmodel = _ComplexNet()
+        cmodel = ComplexNet()
         GradientReducer(cmodel, comm)
-        cmodel(_complex_batch(rank)).pow(2).mean().backward()
+        complex_loss(cmodel, complex_batch(rank)).backward()
         out["complex"] = {n: p.grad.clone() for n, p in cmodel.named_parameters()}
 
         # 6. a model that differs across ranks: ValueError on every rank (the group stays usable)
@@ -151,14 +153,10 @@ def test_gloo_two_ranks_values() -> None:
                                       "gradcomm: gloo reduces torch.float16"]
         assert r["aliased"]
 
-    from test_reducer import _complex_batch, _ComplexNet
-
-    cref = _ComplexNet()
-    cref(torch.cat([_complex_batch(r) for r in range(ws)])).pow(2).mean().backward()
-    for r in res:
-        for name, p in cref.named_parameters():
+    for name, want in complex_reference_grads(ws).items():
+        for r in res:
             got = r["complex"][name]
-            assert got.dtype == p.dtype and torch.allclose(got, p.grad, rtol=1e-5, atol=1e-6)
+            assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
     # no_sync: the sum of two micro-batches' global-batch gradients
     ref_model = eval_bn(make_model())

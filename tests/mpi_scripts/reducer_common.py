@@ -89,6 +89,38 @@ def reference_grads(world_size: int, seed: int = 1) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+class ComplexNet(nn.Module):
+    """A complex64 weight and a real head, initialised without the global RNG (thread ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.w = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64, generator=g))
+        self.head = nn.Linear(3, 1)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(1, 3, generator=g))
+            self.head.bias.copy_(torch.randn(1, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((self.w @ x.T).abs().T)
+
+
+def complex_batch(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(5, 4, dtype=torch.complex64, generator=g)
+
+
+def complex_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def complex_reference_grads(world_size: int) -> dict[str, torch.Tensor]:
+    """Gradients of one :class:`ComplexNet` on the concatenated global complex batch."""
+    model = ComplexNet()
+    complex_loss(model, torch.cat([complex_batch(r) for r in range(world_size)])).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def grads_close(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor],
                 rtol: float = 1e-6) -> list[str]:
     """Names whose grad differs from ``want`` by more than ``rtol`` of the tensor's max |value|."""
