@@ -265,6 +265,7 @@ class GradcommVariant(Variant):
             "background_progress": self.comm.background_progress,
             "first_bucket_cap_mb": self.reducer.first_bucket_cap_mb,
             "bucket_mib": [round(b.nbytes / 2**20, 3) for b in self.reducer.buckets],
+            "in_place": [b.index for b in self.reducer.buckets if b.in_place],
         }
 
     def close(self) -> None:
@@ -452,7 +453,8 @@ def table(result: dict[str, Any]) -> list[str]:
         if lay:
             lines.append(
                 f"  {name}: buckets {lay['bucket_mib']} MiB (first cap {lay['first_bucket_cap_mb']}"
-                f" MiB; background_progress={lay['background_progress']})"
+                f" MiB; in place: {lay.get('in_place', [])}; "
+                f"background_progress={lay['background_progress']})"
             )
     return lines
 
@@ -476,6 +478,16 @@ def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return checks
 
 
+def _mib_or_auto(text: str) -> float | None:
+    """argparse type: a number of MiB (``inf``: none in place), or ``auto`` (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of MiB or 'auto': {text!r}") from None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS),
@@ -490,6 +502,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--first-bucket-cap-mb", type=float, default=None,
                    help="gradcomm cap of bucket 0 (MiB); default: the reducer's choice (1 MiB "
                         "if the transport progresses in the background, else the bucket cap)")
+    p.add_argument("--in-place-min-mb", type=_mib_or_auto, default=None,
+                   help="gradcomm: gradients of at least this many MiB are reduced in place; "
+                        "'inf': none; default 'auto': the reducer's choice per transport (2 MiB "
+                        "on mpi, inf on gloo)")
     p.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
                    default=True, help="gradcomm: grads are views into the buckets (default on)")
     p.add_argument("--malloc", choices=("retain", "glibc"), default="retain",
@@ -507,6 +523,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       ("--first-bucket-cap-mb", args.first_bucket_cap_mb)):
         if cap is not None and not (math.isfinite(cap) and cap > 0):
             p.error(f"{flag} must be a positive number of MiB, got {cap}")
+    if args.in_place_min_mb is not None and not (
+            math.isfinite(args.in_place_min_mb) and args.in_place_min_mb >= 0):
+        p.error(f"--in-place-min-mb must be a number of MiB >= 0, 'inf' or 'auto', got "
+                f"{args.in_place_min_mb}")
     for flag, text, known in (("--models", args.models, MODELS),
                               ("--variants", args.variants, VARIANTS)):
         chosen = [v.strip() for v in text.split(",") if v.strip()]
@@ -529,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     options = {"bucket_cap_mb": args.bucket_cap_mb,
                "first_bucket_cap_mb": args.first_bucket_cap_mb,
+               "in_place_min_mb": args.in_place_min_mb,
                "gradient_as_bucket_view": args.gradient_as_bucket_view}
     malloc = args.malloc
     if malloc == "retain" and not retain_freed_memory():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -36,14 +37,17 @@ def _run(world_size: int, fn: Any) -> list[Any]:
     (CommHook.BF16_COMPRESS, 1.6e-2),  # bfloat16: 8-bit significand
     ("allreduce", 1e-6),
 ])
-def test_builtin_hooks_match_reference_within_dtype_tolerance(hook: Any, rtol: float) -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0009])
+def test_builtin_hooks_match_reference_within_dtype_tolerance(
+    hook: Any, rtol: float, in_place: float
+) -> None:
     ws = 2
     ref = reference_grads(ws)
 
     def fn(comm: ThreadCommunicator) -> Any:
         model = eval_bn(make_model())
         GradientReducer(model, comm, comm_hook=hook, bucket_cap_mb=0.002,
-                        first_bucket_cap_mb=0.0005)
+                        first_bucket_cap_mb=0.0005, in_place_min_mb=in_place)
         loss_fn(model, *batch(comm.rank)).backward()
         return {n: p.grad for n, p in model.named_parameters()}
 
@@ -55,21 +59,26 @@ def test_builtin_hooks_match_reference_within_dtype_tolerance(hook: Any, rtol: f
         assert g.dtype == torch.float32 and torch.equal(g, out[1][name])
 
 
-def test_user_hook_receives_bucket_and_result_is_written_back() -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0009])
+def test_user_hook_receives_bucket_and_result_is_written_back(in_place: float) -> None:
     ws = 2
-    seen: list[tuple[int, int, int, tuple[str, ...], bool]] = []
+    seen: list[tuple[int, int, int, tuple[str, ...], bool, bool]] = []
     ref = reference_grads(ws)
 
     def my_hook(state: dict[str, Any], bucket: GradBucket) -> gradcomm.Work:
         comm = state["comm"]
         seen.append((comm.rank, bucket.index(), bucket.buffer().numel(), bucket.param_names,
-                     bucket.is_last()))
+                     bucket.is_last(), bucket.in_place))
+        if bucket.in_place:  # the buffer is the parameter's gradient itself
+            (p,) = bucket.parameters()
+            assert bucket.buffer().data_ptr() == p.grad.data_ptr()
         assert bucket.gradients().numel() == sum(p.numel() for p in bucket.parameters())
         return comm.all_reduce(bucket.buffer(), "sum", async_op=True)
 
     def fn(comm: ThreadCommunicator) -> Any:
         model = eval_bn(make_model())
-        reducer = GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+        reducer = GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                                  in_place_min_mb=in_place)
         reducer.register_comm_hook(my_hook, state={"comm": comm})
         loss_fn(model, *batch(comm.rank)).backward()
         return {n: p.grad for n, p in model.named_parameters()}, reducer.buckets
@@ -79,9 +88,12 @@ def test_user_hook_receives_bucket_and_result_is_written_back() -> None:
     infos = out[0][1]
     mine = sorted(s[1:] for s in seen if s[0] == 0)
     assert [m[0] for m in mine] == [b.index for b in infos]
-    for (index, numel, names, last), info in zip(mine, infos, strict=True):
-        assert numel == info.numel + len(info.param_names)  # gradients, then presence flags
+    for (index, numel, names, last, in_place_seen), info in zip(mine, infos, strict=True):
+        assert in_place_seen == info.in_place
+        # gradients, then presence flags (an in-place bucket's flag travels separately)
+        assert numel == info.numel + (0 if info.in_place else len(info.param_names))
         assert names == info.param_names and last == (index == len(infos) - 1)
+    assert any(info.in_place for info in infos) == (in_place < 1)
 
 
 def test_compress_wrapper_composes_with_a_user_hook() -> None:

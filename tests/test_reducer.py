@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import math
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -42,6 +43,7 @@ from gradcomm.hooks import (
     apply_gradient_allreduce,
     default_predivide_factor,
     resolve_first_bucket_cap_mb,
+    resolve_in_place_min_mb,
 )
 from gradcomm.hooks._structure import StructureWatch
 
@@ -72,16 +74,25 @@ def assert_identical(results: list[dict[str, torch.Tensor | None]]) -> None:
                 assert other is not None and torch.equal(g, other), name
 
 
+# in_place_min_mb settings: every gradient through shared buckets; the two weights of fc1 and
+# fc2 (3 KiB and 1 KiB) reduced in place among shared buckets; every gradient in place (the
+# channels_last conv weight through a contiguous copy).
+IN_PLACE = [math.inf, 0.0009, 0.0]
+
+
 # ---------------------------------------------------------------------------- core values
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("view", [False, True])
-def test_grads_equal_global_batch_reference(world_size: int, view: bool) -> None:
+@pytest.mark.parametrize("in_place", IN_PLACE)
+def test_grads_equal_global_batch_reference(
+    world_size: int, view: bool, in_place: float
+) -> None:
     ref = reference_grads(world_size)
 
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
         model = eval_bn(make_model(seed=comm.rank))  # different init per rank: broadcast fixes it
         GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
-                        gradient_as_bucket_view=view)
+                        gradient_as_bucket_view=view, in_place_min_mb=in_place)
         loss_fn(model, *batch(comm.rank)).backward()
         return grads_of(model)
 
@@ -91,13 +102,16 @@ def test_grads_equal_global_batch_reference(world_size: int, view: bool) -> None
 
 
 @pytest.mark.parametrize("view", [False, True])
-def test_complex_parameters_equal_global_batch_reference(view: bool) -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_complex_parameters_equal_global_batch_reference(
+    view: bool, in_place: float
+) -> None:
     # No transport reduces complex numbers: the buckets go as their real view (as DDP does).
     ref = complex_reference_grads(2)
 
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
         model = ComplexNet()
-        GradientReducer(model, comm, gradient_as_bucket_view=view)
+        GradientReducer(model, comm, gradient_as_bucket_view=view, in_place_min_mb=in_place)
         complex_loss(model, complex_batch(comm.rank)).backward()
         return grads_of(model)
 
@@ -112,12 +126,15 @@ def test_complex_parameters_equal_global_batch_reference(view: bool) -> None:
 
 
 @pytest.mark.parametrize("hook", ["fp16_compress", "bf16_compress"])
-def test_compression_of_a_complex_bucket_keeps_the_imaginary_part(hook: str) -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_compression_of_a_complex_bucket_keeps_the_imaginary_part(
+    hook: str, in_place: float
+) -> None:
     ref = complex_reference_grads(2)["w"]
 
     def fn(comm: ThreadCommunicator) -> torch.Tensor:
         model = ComplexNet()
-        GradientReducer(model, comm, comm_hook=hook)
+        GradientReducer(model, comm, comm_hook=hook, in_place_min_mb=in_place)
         complex_loss(model, complex_batch(comm.rank)).backward()
         return model.w.grad.clone()
 
@@ -131,7 +148,8 @@ def test_compression_of_a_complex_bucket_keeps_the_imaginary_part(hook: str) -> 
 
 
 @pytest.mark.parametrize("view", [False, True])
-def test_backward_with_create_graph_averages_values(view: bool) -> None:
+@pytest.mark.parametrize("in_place", IN_PLACE)
+def test_backward_with_create_graph_averages_values(view: bool, in_place: float) -> None:
     # backward(create_graph=True) (gradient penalties) leaves grad mode on inside the hooks: the
     # staging copy must still run without autograd (an out= copy of a grad with history raises).
     ref = reference_grads(2)
@@ -139,7 +157,7 @@ def test_backward_with_create_graph_averages_values(view: bool) -> None:
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
         model = eval_bn(make_model(seed=comm.rank))
         GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
-                        gradient_as_bucket_view=view)
+                        gradient_as_bucket_view=view, in_place_min_mb=in_place)
         loss_fn(model, *batch(comm.rank)).backward(create_graph=True)
         return {n: None if p.grad is None else p.grad.detach().clone()
                 for n, p in model.named_parameters()}
@@ -293,13 +311,15 @@ def test_a_reducer_lives_as_long_as_what_it_wraps() -> None:
     assert_identical(out)
 
 
-def test_overlap_equals_end_of_backward_bit_for_bit() -> None:
+@pytest.mark.parametrize("in_place", IN_PLACE)
+def test_overlap_equals_end_of_backward_bit_for_bit(in_place: float) -> None:
     def fn(comm: ThreadCommunicator) -> list[torch.Tensor]:
         res = []
         for overlap in (True, False):
             model = eval_bn(make_model())
             reducer = GradientReducer(model, comm, bucket_cap_mb=0.002,
-                                      first_bucket_cap_mb=0.0005, overlap=overlap)
+                                      first_bucket_cap_mb=0.0005, overlap=overlap,
+                                      in_place_min_mb=in_place)
             assert len(reducer.buckets) > 2
             loss_fn(model, *batch(comm.rank)).backward()
             res.append(flat_grads(model))
@@ -314,13 +334,16 @@ def test_overlap_equals_end_of_backward_bit_for_bit() -> None:
 def test_view_mode_trains_bit_for_bit_like_copy_mode(set_to_none: bool) -> None:
     # In view mode a fresh gradient is copied and pre-divided in one pass, one accumulated in
     # place into its view is divided at launch; both must give the copy mode's values exactly.
+    # Gradients reduced in place (pre-divided in param.grad) give the same values too.
     def fn(comm: ThreadCommunicator) -> list[torch.Tensor]:
         res = []
-        for view, overlap in ((False, False), (True, True), (True, False)):
+        for view, overlap, in_place in ((False, False, math.inf), (True, True, math.inf),
+                                        (True, False, math.inf), (False, True, 0.0009),
+                                        (True, True, 0.0), (False, False, 0.0)):
             model = eval_bn(make_model())
             reducer = GradientReducer(model, comm, bucket_cap_mb=0.002,
                                       first_bucket_cap_mb=0.0005, gradient_as_bucket_view=view,
-                                      overlap=overlap)
+                                      overlap=overlap, in_place_min_mb=in_place)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             for step in range(3):
                 opt.zero_grad(set_to_none=set_to_none)
@@ -336,12 +359,14 @@ def test_view_mode_trains_bit_for_bit_like_copy_mode(set_to_none: bool) -> None:
             assert torch.equal(copy_mode, other)
 
 
-def test_buckets_launch_during_backward_in_index_order() -> None:
+@pytest.mark.parametrize("in_place", IN_PLACE)
+def test_buckets_launch_during_backward_in_index_order(in_place: float) -> None:
     order: list[tuple[int, int, bool]] = []
 
     def fn(comm: ThreadCommunicator) -> None:
         model = eval_bn(make_model())
-        reducer = GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+        reducer = GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                                  in_place_min_mb=in_place)
         in_backward = [True]
 
         def hook(state: Any, bucket: gradcomm.hooks.GradBucket) -> gradcomm.Work:
@@ -364,7 +389,10 @@ def test_buckets_launch_during_backward_in_index_order() -> None:
     assert any(during for _, b, during in order if b == 0)
 
 
-def test_unused_on_one_rank_counts_as_zero_and_unused_everywhere_stays_none() -> None:
+@pytest.mark.parametrize("in_place", IN_PLACE)
+def test_unused_on_one_rank_counts_as_zero_and_unused_everywhere_stays_none(
+    in_place: float
+) -> None:
     ws = 2
     g_local = []
     for r in range(ws):
@@ -375,7 +403,7 @@ def test_unused_on_one_rank_counts_as_zero_and_unused_everywhere_stays_none() ->
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
         model = eval_bn(make_model())
         model.extra = nn.Linear(2, 2)  # never used by any rank
-        GradientReducer(model, comm)
+        GradientReducer(model, comm, in_place_min_mb=in_place)
         loss_fn(model, *batch(comm.rank), use_b=(comm.rank == 0)).backward()
         return grads_of(model)
 
@@ -393,7 +421,8 @@ def test_unused_on_one_rank_counts_as_zero_and_unused_everywhere_stays_none() ->
 
 # ---------------------------------------------------------------------------- accumulation etc.
 @pytest.mark.parametrize("view", [False, True])
-def test_no_sync_accumulation_equals_single_process_sum(view: bool) -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_no_sync_accumulation_equals_single_process_sum(view: bool, in_place: float) -> None:
     ws, micro = 2, 3
     ref_model = eval_bn(make_model())
     for step in range(micro):
@@ -403,7 +432,8 @@ def test_no_sync_accumulation_equals_single_process_sum(view: bool) -> None:
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
         model = eval_bn(make_model())
         reducer = GradientReducer(model, comm, gradient_as_bucket_view=view,
-                                  bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005)
+                                  bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                                  in_place_min_mb=in_place)
         for step in range(micro - 1):
             with reducer.no_sync():
                 loss_fn(model, *batch(comm.rank, seed=10 + step)).backward()
@@ -415,7 +445,8 @@ def test_no_sync_accumulation_equals_single_process_sum(view: bool) -> None:
     assert_identical(out)
 
 
-def test_several_backwards_per_step_each_reduced_once() -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_several_backwards_per_step_each_reduced_once(in_place: float) -> None:
     ws = 2
     ref_model = eval_bn(make_model())
     x, y = global_batch(ws)
@@ -426,7 +457,7 @@ def test_several_backwards_per_step_each_reduced_once() -> None:
 
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
         model = eval_bn(make_model())
-        GradientReducer(model, comm)
+        GradientReducer(model, comm, in_place_min_mb=in_place)
         xl, yl = batch(comm.rank)
         out = model(xl)
         ((out - yl) ** 2).mean().backward(retain_graph=True)
@@ -465,7 +496,10 @@ class _Checkpointed(nn.Module):
 @pytest.mark.parametrize("view", [False, True])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_activation_checkpointing(reentrant: bool, where: str, view: bool) -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_activation_checkpointing(
+    reentrant: bool, where: str, view: bool, in_place: float
+) -> None:
     ws = 2
 
     def data(rank: int) -> torch.Tensor:
@@ -479,7 +513,7 @@ def test_activation_checkpointing(reentrant: bool, where: str, view: bool) -> No
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
         model = _Checkpointed(reentrant, where)
         GradientReducer(model, comm, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4,
-                        gradient_as_bucket_view=view)
+                        gradient_as_bucket_view=view, in_place_min_mb=in_place)
         xl = data(comm.rank).requires_grad_(reentrant)  # reentrant needs an input requiring grad
         model(xl).pow(2).mean().backward()
         return grads_of(model)
@@ -513,13 +547,16 @@ def _shared_in_checkpoint_reference(leading: bool, ws: int) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("view", [False, True])
-def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right(view: bool) -> None:
+@pytest.mark.parametrize(("leading", "in_place"), [(False, math.inf), (False, 0.0), (True, 0.0)])
+def test_reentrant_checkpoint_of_a_shared_parameter_raises_or_is_right(
+    view: bool, leading: bool, in_place: float
+) -> None:
     ws = 2
-    x, ref = _shared_in_checkpoint_reference(leading=False, ws=ws)
+    x, ref = _shared_in_checkpoint_reference(leading=leading, ws=ws)
 
     def fn(comm: ThreadCommunicator) -> Any:
-        model = _SharedInCheckpoint(leading=False)
-        GradientReducer(model, comm, gradient_as_bucket_view=view)
+        model = _SharedInCheckpoint(leading=leading)
+        GradientReducer(model, comm, gradient_as_bucket_view=view, in_place_min_mb=in_place)
         model(x[2 * comm.rank:2 * comm.rank + 2]).pow(2).mean().backward()
         return grads_of(model)
 
@@ -550,7 +587,8 @@ def test_gradient_accumulated_twice_before_its_bucket_is_sent(view: bool) -> Non
     assert_identical(run_ranks(ws, fn))
 
 
-def test_tied_weights_reduced_once() -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_tied_weights_reduced_once(in_place: float) -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -570,7 +608,7 @@ def test_tied_weights_reduced_once() -> None:
 
     def fn(comm: ThreadCommunicator) -> Any:
         model = Tied()
-        reducer = GradientReducer(model, comm)
+        reducer = GradientReducer(model, comm, in_place_min_mb=in_place)
         assert reducer.parameter_names == ("emb.weight",)
         model(idx[comm.rank:comm.rank + 1]).pow(2).mean().backward()
         return grads_of(model)
@@ -607,6 +645,60 @@ def test_bucket_views_alias_grads_and_memory_does_not_grow() -> None:
         return None
 
     run_ranks(2, fn)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_in_place_buckets_reduce_the_gradient_autograd_made(view: bool) -> None:
+    # fc1.weight and fc2.weight are over the threshold: each is a bucket of its own whose buffer
+    # is param.grad itself (no copy, no buffer of the reducer's), and one more all-reduce per
+    # backward carries their presence flags. Memory must not grow step to step.
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model())
+        reducer = GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                                  in_place_min_mb=0.0009, gradient_as_bucket_view=view)
+        in_place = [b.param_names for b in reducer.buckets if b.in_place]
+        made: dict[str, int] = {}
+        for name in ("fc1.weight", "fc2.weight"):  # runs after the reducer's hook
+            model.get_parameter(name).register_post_accumulate_grad_hook(
+                lambda p, name=name: made.__setitem__(name, p.grad.data_ptr()))
+        labels: list[str | None] = []
+        real = comm.all_reduce
+
+        def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> gradcomm.Work:
+            labels.append(kwargs.get("label"))
+            return real(tensor, *args, **kwargs)
+
+        comm.all_reduce = counting  # type: ignore[method-assign]
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        counts, kept = [], []
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            labels.clear()
+            loss_fn(model, *batch(comm.rank, seed=step)).backward()
+            opt.step()
+            kept.append([made[n] == model.get_parameter(n).grad.data_ptr()
+                         for n in ("fc1.weight", "fc2.weight")])
+            assert all(b.buffer is None for b in reducer._buckets)  # nothing kept
+            if step in (1, 3):
+                comm.barrier()  # both ranks between steps while rank 0 counts
+                if comm.rank == 0:
+                    gc.collect()
+                    counts.append(sum(type(o) in (torch.Tensor, nn.Parameter)
+                                      for o in gc.get_objects()))
+                comm.barrier()
+        shared = [b for b in reducer._buckets if not b.in_place]
+        return (in_place, kept, labels, len(reducer.buckets), counts,
+                [b.flat.numel() for b in reducer._buckets if b.in_place],
+                sum(b.numel for b in shared) + sum(len(b.params) for b in shared))
+
+    for in_place, kept, labels, nbuckets, counts, own, shared_numel in run_ranks(2, fn):
+        assert in_place == [("fc2.weight",), ("fc1.weight",)]
+        assert all(all(k) for k in kept), kept
+        assert len(labels) == nbuckets + 1 and "presence" in str(labels[-1]), labels
+        assert counts[:1] == counts[1:], counts
+        assert own == [0, 0]  # no buffer allocated for them
+        assert shared_numel == sum(p.numel() + 1 for n, p in make_model().named_parameters()
+                                   if n not in ("fc1.weight", "fc2.weight"))
 
 
 def test_view_mode_with_set_to_none_repoints_grads() -> None:
@@ -650,7 +742,8 @@ def test_view_mode_frees_the_separate_grad_when_its_bucket_is_sent() -> None:
         assert seen and all(seen)
 
 
-def test_channels_last_and_noncontiguous_grads() -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_channels_last_and_noncontiguous_grads(in_place: float) -> None:
     ws = 2
     w0 = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(0))
 
@@ -667,7 +760,7 @@ def test_channels_last_and_noncontiguous_grads() -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         conv = nn.Parameter(w0.clone().to(memory_format=torch.channels_last))
         mat = nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).t())
-        GradientReducer([("conv", conv), ("mat", mat)], comm)
+        GradientReducer([("conv", conv), ("mat", mat)], comm, in_place_min_mb=in_place)
         x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(10 + comm.rank))
         y = nn.functional.conv2d(x.contiguous(memory_format=torch.channels_last), conv)
         (y.sum() + (mat * (comm.rank + 1.5)).pow(2).sum()).backward()
@@ -694,6 +787,24 @@ def test_first_bucket_cap_follows_background_progress(
     with patch.object(ThreadCommunicator, "background_progress", new_callable=PropertyMock,
                       return_value=progress):
         assert run_ranks(2, fn) == [(want_first, want_buckets)] * 2
+
+
+@pytest.mark.parametrize(("cheap", "want"), [(True, 2.0), (False, math.inf)])
+def test_in_place_min_mb_follows_cheap_collectives(cheap: bool, want: float) -> None:
+    # A 2.4 MiB weight and its bias: reduced in place by default only where collectives are cheap.
+    def fn(comm: ThreadCommunicator) -> tuple[float, list[bool], float]:
+        with seeded(0):
+            model = nn.Sequential(nn.Linear(800, 800))
+        reducer = GradientReducer(model, comm)
+        explicit = GradientReducer(model, comm, in_place_min_mb=3.0).in_place_min_mb
+        return reducer.in_place_min_mb, [b.in_place for b in reducer.buckets], explicit
+
+    with patch.object(ThreadCommunicator, "cheap_collectives", new_callable=PropertyMock,
+                      return_value=cheap):
+        for got, in_place, explicit in run_ranks(2, fn):
+            assert got == want and explicit == 3.0
+            assert in_place == ([False, True] if cheap else [False])  # bias first
+    assert resolve_in_place_min_mb(None, ThreadGroup(1).communicator(0)) == math.inf
 
 
 def test_resolve_first_bucket_cap_mb_explicit_value_wins() -> None:
@@ -864,10 +975,11 @@ def test_sparse_gradients_rejected_naming_the_parameter() -> None:
         assert isinstance(err, TypeError) and "table" in str(err)
 
 
-def test_timeout_names_the_bucket() -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_timeout_names_the_bucket(in_place: float) -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         model = nn.Sequential(nn.Linear(3, 3))
-        GradientReducer(model, comm)
+        GradientReducer(model, comm, in_place_min_mb=in_place)
         model(torch.ones(1, 3)).sum().backward()  # both ranks: one normal step
         if comm.rank == 0:
             model(torch.ones(1, 3)).sum().backward()
@@ -917,14 +1029,17 @@ class _FailedWork(gradcomm.Work):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_a_failure_seen_anywhere_in_backward_refuses_later_backwards(overlap: bool) -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_a_failure_seen_anywhere_in_backward_refuses_later_backwards(
+    overlap: bool, in_place: float
+) -> None:
     # With overlap the failure shows first in the progress poll of a gradient hook, mid-backward;
     # without, in the wait at the end. Either way later backwards must refuse (a peer may have
     # completed that step), not send new collectives.
     def fn(comm: ThreadCommunicator) -> Any:
         model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3))
         reducer = GradientReducer(model, comm, bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5,
-                                  overlap=overlap)
+                                  overlap=overlap, in_place_min_mb=in_place)
         model(torch.ones(1, 3)).sum().backward()  # a good step (and the comm-hook check)
         sent: list[int] = []
 
@@ -971,6 +1086,10 @@ def test_bad_arguments() -> None:
         GradientReducer(model, comm, gradient_as_bucket_view="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="overlap must be True or False"):
         GradientReducer(model, comm, overlap=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="in_place_min_mb must be a number of MiB >= 0"):
+        GradientReducer(model, comm, in_place_min_mb=-1.0)
+    with pytest.raises(TypeError, match="in_place_min_mb must be a number of MiB, got str"):
+        GradientReducer(model, comm, in_place_min_mb="2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         GradientReducer(model, comm, gradient_predivide_factor=-1.0)
     with pytest.raises(ValueError, match="unknown comm hook"):
@@ -994,10 +1113,13 @@ def test_default_predivide_factor() -> None:
 
 
 @pytest.mark.parametrize(("world_size", "value"), [(2, 40000.0), (8, 1e-7)])
-def test_fp16_average_neither_overflows_nor_underflows(world_size: int, value: float) -> None:
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+def test_fp16_average_neither_overflows_nor_underflows(
+    world_size: int, value: float, in_place: float
+) -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         p = nn.Parameter(torch.zeros(3, dtype=torch.float16))
-        GradientReducer([p], comm)
+        GradientReducer([p], comm, in_place_min_mb=in_place)
         (p * torch.tensor(value, dtype=torch.float16)).sum().backward()
         return p.grad
 

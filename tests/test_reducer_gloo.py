@@ -6,6 +6,7 @@ One spawned run checks several things, to keep the suite fast.
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from typing import Any
 
@@ -62,25 +63,29 @@ def _gloo_checks(rank: int, world_size: int) -> bytes:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     with gradcomm.init("gloo", timeout=60) as comm:
-        # 1. values against the global-batch reference, overlapped and at the end of backward
-        for overlap in (True, False):
+        # 1. values against the global-batch reference, overlapped and at the end of backward,
+        # and with some (fc1.weight, fc2.weight) or every gradient reduced in place
+        configs = ((True, math.inf), (False, math.inf), (True, 0.0009), (False, 0.0))
+        for overlap, in_place in configs:
             model = eval_bn(make_model(seed=rank))
             reducer = GradientReducer(model, comm, bucket_cap_mb=0.002,
-                                      first_bucket_cap_mb=0.0005, overlap=overlap)
+                                      first_bucket_cap_mb=0.0005, overlap=overlap,
+                                      in_place_min_mb=in_place)
             loss_fn(model, *batch(rank)).backward()
-            out[f"grads_overlap={overlap}"] = {n: p.grad.clone() for n, p in
-                                               model.named_parameters()}
-            out[f"flat_overlap={overlap}"] = flat_grads(model)
-            out["nbuckets"] = len(reducer.buckets)
+            key = f"overlap={overlap} in_place={in_place}"
+            out[f"grads {key}"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            out[f"flat {key}"] = flat_grads(model)
+            out[f"nbuckets {key}"] = len(reducer.buckets)
             reducer.remove()
 
-        # 2. unused on one rank and on all ranks
-        model = eval_bn(make_model())
-        model.extra = nn.Linear(2, 2)
-        GradientReducer(model, comm)
-        loss_fn(model, *batch(rank), use_b=(rank == 0)).backward()
-        out["unused"] = {n: None if p.grad is None else p.grad.clone()
-                         for n, p in model.named_parameters()}
+        # 2. unused on one rank and on all ranks (through shared buckets, and in place)
+        for in_place in (math.inf, 0.0):
+            model = eval_bn(make_model())
+            model.extra = nn.Linear(2, 2)
+            GradientReducer(model, comm, in_place_min_mb=in_place)
+            loss_fn(model, *batch(rank), use_b=(rank == 0)).backward()
+            out[f"unused in_place={in_place}"] = {n: None if p.grad is None else p.grad.clone()
+                                                  for n, p in model.named_parameters()}
 
         # 3. fp16 and bf16 buckets; one SlowPathWarning per (backend, dtype, device)
         with warnings.catch_warnings(record=True) as caught:
@@ -127,19 +132,25 @@ def test_gloo_two_ranks_values() -> None:
     res = [torch.load(io.BytesIO(b)) for b in run_processes(_gloo_checks, ws, timeout=120)]
     ref = reference_grads(ws)
     # every grad equals one process's grad on the concatenated batch; ranks bit-identical
+    first = "overlap=True in_place=inf"
     for r in res:
-        assert r["nbuckets"] > 2
-        assert grads_close(r["grads_overlap=True"], ref) == []
-        assert torch.equal(r["flat_overlap=True"], r["flat_overlap=False"])
-        assert torch.equal(r["flat_overlap=True"], res[0]["flat_overlap=True"])
+        assert r[f"nbuckets {first}"] > 2
+        assert r["nbuckets overlap=False in_place=0.0"] == len(ref)  # one per parameter
+        assert grads_close(r[f"grads {first}"], ref) == []
+        for key in ("overlap=False in_place=inf", "overlap=True in_place=0.0009",
+                    "overlap=False in_place=0.0"):
+            assert torch.equal(r[f"flat {first}"], r[f"flat {key}"]), key
+        assert torch.equal(r[f"flat {first}"], res[0][f"flat {first}"])
 
     # unused on rank 1 only: (g + 0) / 2; unused everywhere: None
     local = eval_bn(make_model())
     loss_fn(local, *batch(0), use_b=True).backward()
     for r in res:
-        assert r["unused"]["extra.weight"] is None and r["unused"]["extra.bias"] is None
-        assert torch.allclose(r["unused"]["head_b.weight"], local.head_b.weight.grad / 2,
-                              rtol=1e-6, atol=0)
+        for in_place in (math.inf, 0.0):
+            unused = r[f"unused in_place={in_place}"]
+            assert unused["extra.weight"] is None and unused["extra.bias"] is None
+            assert torch.allclose(unused["head_b.weight"], local.head_b.weight.grad / 2,
+                                  rtol=1e-6, atol=0)
 
     # half precision: fp32 reference cast back, within one ulp; finite (no overflow)
     for dtype in (torch.float16, torch.bfloat16):

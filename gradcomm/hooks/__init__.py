@@ -23,6 +23,7 @@ from .reducer import (
     apply_gradient_allreduce,
     default_predivide_factor,
     resolve_first_bucket_cap_mb,
+    resolve_in_place_min_mb,
 )
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "apply_gradient_allreduce",
     "default_predivide_factor",
     "resolve_first_bucket_cap_mb",
+    "resolve_in_place_min_mb",
     "CommHook",
     "CommHookFn",
     "GradBucket",

@@ -25,7 +25,9 @@ keeps float16 partial sums in range, "to avoid overflow" as the DDP fp16 hook pu
 The bucket buffer ends with one presence flag per parameter (1 where this rank has a gradient for
 it, else 0) so that a parameter without a gradient on every rank keeps ``grad=None`` without a
 second collective; a custom hook must sum those flags with the gradients (any reduction of the whole
-buffer to a float dtype does, as 0/1 flags and their counts are exact there).
+buffer to a float dtype does, as 0/1 flags and their counts are exact there). An in-place bucket
+(``GradBucket.in_place``: one large gradient reduced in ``param.grad`` itself, see the reducer's
+``in_place_min_mb``) has no flags: its buffer is the gradient, and its flag travels separately.
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ class GradBucket:
     Attributes:
         bucket_index: index of the bucket; buckets are reduced in increasing index order.
         flat: 1-D contiguous tensor of ``numel + len(params)`` elements, the bucket's dtype and
-            device: the (pre-divided) gradients, then one presence flag per parameter.
+            device: the (pre-divided) gradients, then one presence flag per parameter. In an
+            in-place bucket: ``numel`` elements, a flat view of the one parameter's gradient.
         numel: number of gradient elements at the front of ``flat``.
         params: the bucket's parameters, in the order their gradients lie in ``flat``.
         param_names: their names (``module.named_parameters()`` names, or ``params.<i>``).
         last: True for the bucket with the highest index.
+        in_place: the buffer is one parameter's gradient (no presence flags in it).
     """
 
     bucket_index: int
@@ -82,6 +86,7 @@ class GradBucket:
     params: tuple[torch.Tensor, ...]
     param_names: tuple[str, ...]
     last: bool
+    in_place: bool = False
 
     def index(self) -> int:
         """Index of this bucket (0 is reduced first)."""
