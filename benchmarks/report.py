@@ -46,8 +46,9 @@ def step_time_tables(doc: dict[str, Any]) -> list[str]:
         for model, name, lay in layouts:
             lines.append(
                 f"- {model}, {name}: buckets {lay['bucket_mib']} MiB (first cap "
-                f"{lay['first_bucket_cap_mb']} MiB; background_progress="
-                f"{lay['background_progress']})"
+                f"{lay['first_bucket_cap_mb']} MiB; "
+                + (f"in place: {lay['in_place']}; " if "in_place" in lay else "")
+                + f"background_progress={lay['background_progress']})"
             )
     if doc.get("targets"):
         lines += ["", "| target | measured | holds |", "|---|---:|---|"]
