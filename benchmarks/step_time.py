@@ -523,8 +523,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       ("--first-bucket-cap-mb", args.first_bucket_cap_mb)):
         if cap is not None and not (math.isfinite(cap) and cap > 0):
             p.error(f"{flag} must be a positive number of MiB, got {cap}")
-    if args.in_place_min_mb is not None and not (
-            math.isfinite(args.in_place_min_mb) and args.in_place_min_mb >= 0):
+    if args.in_place_min_mb is not None and not args.in_place_min_mb >= 0:  # inf: none
         p.error(f"--in-place-min-mb must be a number of MiB >= 0, 'inf' or 'auto', got "
                 f"{args.in_place_min_mb}")
     for flag, text, known in (("--models", args.models, MODELS),

@@ -389,12 +389,20 @@ def test_retain_freed_memory_keeps_freed_pages_in_the_process() -> None:
 @pytest.mark.parametrize("argv", [
     ["--models", ""], ["--models", ","], ["--models", "mlp,bogus"], ["--variants", "ddp,foo"],
     ["--first-bucket-cap-mb", "0"], ["--bucket-cap-mb", "-1"], ["--steps", "10"],
+    ["--in-place-min-mb", "-1"], ["--in-place-min-mb", "nan"], ["--in-place-min-mb", "big"],
 ])
 def test_step_time_rejects_bad_arguments_before_starting(argv: list[str]) -> None:
     st = _step_time_module()
     with pytest.raises(SystemExit) as info:
         st.parse_args(argv)  # type: ignore[attr-defined]
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize(("text", "want"), [("auto", None), ("inf", math.inf), ("0", 0.0),
+                                            ("2.5", 2.5)])
+def test_step_time_in_place_min_mb_values(text: str, want: float | None) -> None:
+    st = _step_time_module()
+    assert st.parse_args(["--in-place-min-mb", text]).in_place_min_mb == want  # type: ignore[attr-defined]
 
 
 @pytest.mark.mpi

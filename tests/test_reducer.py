@@ -701,6 +701,73 @@ def test_in_place_buckets_reduce_the_gradient_autograd_made(view: bool) -> None:
                                    if n not in ("fc1.weight", "fc2.weight"))
 
 
+class _AliasedGrads(nn.Module):
+    """Parameters whose gradients autograd hands out as views of other tensors (batch of 1):
+    ``pos.weight.unsqueeze(0)`` (a learned position table) added to an activation gets a view of
+    the activation's gradient, which the token embedding's backward reads after it; ``a`` and
+    ``b`` go through ``torch.stack``, whose backward gives each a view of one tensor; ``c`` and
+    ``d`` are both added to one activation through ``unsqueeze``, so their gradients are views of
+    the same memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with seeded(0):
+            self.tok = nn.Embedding(10, 4)
+            self.pos = nn.Embedding(3, 4)
+            self.a = nn.Parameter(torch.randn(3, 4))
+            self.b = nn.Parameter(torch.randn(3, 4))
+            self.c = nn.Parameter(torch.randn(3, 4))
+            self.d = nn.Parameter(torch.randn(3, 4))
+            self.head = nn.Linear(4, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx) + self.pos.weight.unsqueeze(0)
+        h = h * torch.stack([self.a, self.b]).sum(0)
+        h = torch.tanh(h) + self.c.unsqueeze(0) + self.d.unsqueeze(0)
+        return self.head(torch.tanh(h)).sum()
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("in_place", [0.0, 1e-5])
+def test_in_place_gradients_that_autograd_aliases_stay_right(view: bool, in_place: float) -> None:
+    ws = 2
+    idx = [torch.tensor([[1, 5, 7]]), torch.tensor([[2, 5, 9]])]
+    sums: dict[str, torch.Tensor] = {}
+    for r in range(ws):
+        ref = _AliasedGrads()
+        ref(idx[r]).backward()
+        for n, p in ref.named_parameters():
+            sums[n] = sums.get(n, 0) + p.grad / ws
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = _AliasedGrads()
+        reducer = GradientReducer(model, comm, in_place_min_mb=in_place,
+                                  gradient_as_bucket_view=view)
+        own: dict[str, bool] = {}  # in-place bucket: is the buffer param.grad's own memory?
+
+        def hook(state: Any, bucket: gradcomm.hooks.GradBucket) -> gradcomm.Work:
+            if bucket.in_place:
+                (p,) = bucket.parameters()
+                own[bucket.param_names[0]] = bucket.buffer().data_ptr() == p.grad.data_ptr()
+            return gradcomm.hooks.allreduce_hook(state, bucket)
+
+        reducer.register_comm_hook(hook)
+        got = []
+        for _ in range(2):  # set_to_none: with aliased grads, torch's own += would double them
+            model.zero_grad(set_to_none=True)
+            model(idx[comm.rank]).backward()
+            got.append(grads_of(model))
+        return got, [b.param_names for b in reducer.buckets if b.in_place], own
+
+    for got, in_place_names, own in run_ranks(ws, fn):
+        assert ("pos.weight",) in in_place_names and ("tok.weight",) in in_place_names
+        for step in got:
+            assert grads_close(step, sums, rtol=1e-6) == []
+        # a, b and c, d share memory: sent as copies; the others in place
+        assert {n for n, mine in own.items() if not mine} == {"a", "b", "c", "d"}, own
+        assert own["pos.weight"] and own["tok.weight"] and own["head.weight"]
+
+
 def test_view_mode_with_set_to_none_repoints_grads() -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         model = eval_bn(make_model())
@@ -740,6 +807,30 @@ def test_view_mode_frees_the_separate_grad_when_its_bucket_is_sent() -> None:
 
     for seen in run_ranks(2, fn):
         assert seen and all(seen)
+
+
+def test_in_place_gradient_missing_on_one_rank_keeps_the_parameter_layout() -> None:
+    # The rank without the gradient receives the sum in a zero tensor; its .grad must have the
+    # parameter's (channels_last) layout, as autograd would have given it; -0.0 and 0.0 agree.
+    w0 = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(10))
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        conv = nn.Parameter(w0.clone().to(memory_format=torch.channels_last))
+        other = nn.Parameter(torch.ones(2))
+        GradientReducer([("conv", conv), ("other", other)], comm,
+                        in_place_min_mb=0.0 if comm.rank == 0 else -0.0)
+        y = nn.functional.conv2d(x.contiguous(memory_format=torch.channels_last), conv)
+        loss = other.sum() + (y.sum() if comm.rank == 0 else 0.0)
+        loss.backward()
+        return conv.grad
+
+    local = w0.clone().to(memory_format=torch.channels_last).requires_grad_()
+    nn.functional.conv2d(x.contiguous(memory_format=torch.channels_last), local).sum().backward()
+    for g in run_ranks(2, fn):
+        assert not isinstance(g, Exception), g
+        assert g.is_contiguous(memory_format=torch.channels_last)
+        assert torch.allclose(g, local.grad / 2, rtol=1e-6)
 
 
 @pytest.mark.parametrize("in_place", [math.inf, 0.0])
@@ -1090,6 +1181,12 @@ def test_bad_arguments() -> None:
         GradientReducer(model, comm, in_place_min_mb=-1.0)
     with pytest.raises(TypeError, match="in_place_min_mb must be a number of MiB, got str"):
         GradientReducer(model, comm, in_place_min_mb="2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="in_place_min_mb must be a number of MiB >= 0"):
+        GradientReducer(model, comm, in_place_min_mb=math.nan)
+    for bad, error in ((True, TypeError), (-1.0, ValueError), (math.nan, ValueError)):
+        with pytest.raises(error, match="in_place_min_mb"):
+            resolve_in_place_min_mb(bad, comm)  # type: ignore[arg-type]
+    assert math.copysign(1.0, resolve_in_place_min_mb(-0.0, comm)) == 1.0  # ranks compare equal
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         GradientReducer(model, comm, gradient_predivide_factor=-1.0)
     with pytest.raises(ValueError, match="unknown comm hook"):

@@ -26,8 +26,9 @@ The bucket buffer ends with one presence flag per parameter (1 where this rank h
 it, else 0) so that a parameter without a gradient on every rank keeps ``grad=None`` without a
 second collective; a custom hook must sum those flags with the gradients (any reduction of the whole
 buffer to a float dtype does, as 0/1 flags and their counts are exact there). An in-place bucket
-(``GradBucket.in_place``: one large gradient reduced in ``param.grad`` itself, see the reducer's
-``in_place_min_mb``) has no flags: its buffer is the gradient, and its flag travels separately.
+(``GradBucket.in_place``: one large gradient reduced in ``param.grad`` itself at the end of
+backward, see the reducer's ``in_place_min_mb``) has no flags: its buffer is the gradient (see
+:attr:`GradBucket.flat`), and its flag travels separately.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ class GradBucket:
         bucket_index: index of the bucket; buckets are reduced in increasing index order.
         flat: 1-D contiguous tensor of ``numel + len(params)`` elements, the bucket's dtype and
             device: the (pre-divided) gradients, then one presence flag per parameter. In an
-            in-place bucket: ``numel`` elements, a flat view of the one parameter's gradient.
+            in-place bucket: ``numel`` elements, a flat view of the one parameter's gradient
+            itself -- or of a pre-divided contiguous copy when the gradient is not contiguous or
+            shares memory with another parameter's, or of zeros on a rank without it.
         numel: number of gradient elements at the front of ``flat``.
         params: the bucket's parameters, in the order their gradients lie in ``flat``.
         param_names: their names (``module.named_parameters()`` names, or ``params.<i>``).

@@ -10,8 +10,8 @@ How one backward pass is reduced (the algorithm of torch DDP's reducer, in Pytho
    persistent flat buffer, allocated once. A gradient of at least ``in_place_min_mb`` (by default
    2 MiB where collectives are cheap, see :func:`resolve_in_place_min_mb`) is a bucket of its own
    with no buffer: it is reduced in place in ``param.grad``, as Horovod reduces tensors, which
-   saves copying it. Buckets are launched in the order backward completes them (by their
-   parameter of lowest registration index, descending).
+   saves copying it. In-place buckets come after the shared ones and are sent at the end of
+   backward, when no autograd node can still read the gradient's memory.
 2. A post-accumulate-grad hook on each parameter copies its gradient, pre-divided, into its slot
    (one pass; an in-place gradient is divided where it lies) and marks it ready. When every
    parameter of the lowest-index bucket not yet launched is ready, that bucket's comm hook (an
@@ -145,10 +145,22 @@ def resolve_in_place_min_mb(in_place_min_mb: float | None, comm: Communicator) -
     weights in place), step time against the same reducer with every gradient in one shared
     bucket, median of the per-step ratio: mpi 0.964 (x the old algorithm: 0.874 against 0.908);
     gloo 1.043, and 1.075 with every bucket launched at the end of backward.
+
+    Raises:
+        TypeError: not a number (or a bool). ValueError: negative or NaN.
     """
-    if in_place_min_mb is not None:
-        return float(in_place_min_mb)
-    return 2.0 if comm.cheap_collectives else math.inf
+    if in_place_min_mb is None:
+        return 2.0 if comm.cheap_collectives else math.inf
+    return _checked_in_place_min_mb(in_place_min_mb)
+
+
+def _checked_in_place_min_mb(value: object) -> float:
+    """``value`` as a float >= 0 (``-0.0`` as ``0.0``, so ranks compare equal), or raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"in_place_min_mb must be a number of MiB, got {type(value).__name__}")
+    if not value >= 0:
+        raise ValueError(f"in_place_min_mb must be a number of MiB >= 0 (or math.inf), got {value}")
+    return float(value) + 0.0
 
 
 @dataclass(frozen=True)
@@ -299,29 +311,30 @@ def _assign_buckets(
     """Group by (device, dtype) in reverse order; close a bucket when it reaches its cap.
 
     A parameter of at least ``in_place_bytes`` (None: none) is a bucket of its own, reduced in
-    place; the shared buckets around it stay open. Returns ``(group, in_place)`` pairs in launch
-    order: by the last parameter (lowest registration index) of each group, descending -- the
-    order in which backward completes them.
+    place. Returns ``(group, in_place)`` pairs in launch order: the shared buckets by their first
+    parameter (highest registration index), descending -- the order backward fills them -- then
+    the in-place ones, in the same order (they are sent at the end of backward).
     """
     open_: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, nn.Parameter]]] = {}
     size: dict[tuple[torch.device, torch.dtype], int] = {}
-    closed: list[tuple[list[tuple[int, str, nn.Parameter]], bool]] = []
+    shared: list[list[tuple[int, str, nn.Parameter]]] = []
+    in_place: list[list[tuple[int, str, nn.Parameter]]] = []
     for entry in reversed(params):
         p = entry[2]
         nbytes = p.numel() * p.element_size()
         if in_place_bytes is not None and nbytes >= in_place_bytes:
-            closed.append(([entry], True))
+            in_place.append([entry])
             continue
         key = (p.device, p.dtype)
         open_.setdefault(key, []).append(entry)
         size[key] = size.get(key, 0) + nbytes
-        limit = first_cap_bytes if not any(not ip for _, ip in closed) else cap_bytes
+        limit = first_cap_bytes if not shared else cap_bytes
         if size[key] >= limit:
-            closed.append((open_.pop(key), False))
+            shared.append(open_.pop(key))
             size[key] = 0
-    closed.extend((group, False) for group in open_.values())
-    closed.sort(key=lambda g: -g[0][-1][0])
-    return closed
+    shared.extend(open_.values())
+    shared.sort(key=lambda b: -b[0][0])
+    return [(group, False) for group in shared] + [(group, True) for group in in_place]
 
 
 def _named_params(
@@ -357,17 +370,21 @@ class GradientReducer:
             parameters are reduced once, frozen ones (``requires_grad=False``) are skipped.
         comm: the communicator; None calls :func:`gradcomm.init`.
         bucket_cap_mb: cap of each bucket in MiB (2**20 bytes) of gradients (DDP's default 25).
-        first_bucket_cap_mb: cap of bucket 0 in MiB. None (default): see
+        first_bucket_cap_mb: cap of bucket 0 in MiB (of the first shared bucket: in-place
+            buckets, see ``in_place_min_mb``, may come before it). None (default): see
             :func:`resolve_first_bucket_cap_mb` -- DDP's 1 MiB, so the first all-reduce starts
             early in the backward pass, when the transport progresses in the background, else
             ``bucket_cap_mb``. Ranks must resolve it alike (checked with the model).
         in_place_min_mb: a gradient of at least this many MiB (2**20 bytes) is not copied into a
             shared bucket: it is a bucket of its own, pre-divided and all-reduced in place in
-            ``param.grad``, which saves a pass over its memory for one more collective (the
-            presence flags of all such buckets go in one more small all-reduce per backward
-            pass). ``0``: every gradient; ``math.inf``: none. None (default): see
-            :func:`resolve_in_place_min_mb` -- 2 MiB where collectives are cheap (MPI on host
-            memory), else ``math.inf``. Ranks must resolve it alike (checked with the model).
+            ``param.grad`` at the end of backward (after every hook, so a post-accumulate-grad
+            hook of yours that changes ``param.grad`` is part of the sum), which saves a pass
+            over its memory for one more collective (the presence flags of all such buckets go
+            in one more small all-reduce per backward pass). Such a ``param.grad`` is never a
+            bucket view: it stays the tensor autograd made. ``0``: every gradient;
+            ``math.inf``: none. None (default): see :func:`resolve_in_place_min_mb` -- 2 MiB
+            where collectives are cheap (MPI on host memory), else ``math.inf``. Ranks must
+            resolve it alike (checked with the model).
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket (strides as the
             parameter's), so no gradient is copied out and no memory beyond the buckets is used.
             With ``optimizer.zero_grad(set_to_none=False)`` backward accumulates into the views in
@@ -425,17 +442,12 @@ class GradientReducer:
         broadcast_parameters: bool = True,
     ) -> None:
         for name, cap in (("bucket_cap_mb", bucket_cap_mb),
-                          ("first_bucket_cap_mb", first_bucket_cap_mb),
-                          ("in_place_min_mb", in_place_min_mb)):
-            if cap is None and name != "bucket_cap_mb":
+                          ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if cap is None and name == "first_bucket_cap_mb":
                 continue
             if isinstance(cap, bool) or not isinstance(cap, (int, float)):
                 raise TypeError(f"{name} must be a number of MiB, got {type(cap).__name__}")
-            if name == "in_place_min_mb":  # 0: every gradient in place; inf: none
-                if not cap >= 0:
-                    raise ValueError(f"{name} must be a number of MiB >= 0 (or math.inf), "
-                                     f"got {cap}")
-            elif not math.isfinite(cap) or cap <= 0:
+            if not math.isfinite(cap) or cap <= 0:
                 raise ValueError(f"{name} must be a positive number of MiB, got {cap}")
         for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view),
                            ("broadcast_buffers", broadcast_buffers), ("overlap", overlap),
@@ -450,6 +462,8 @@ class GradientReducer:
                 )
             if not math.isfinite(f) or f <= 0:
                 raise ValueError(f"gradient_predivide_factor must be positive and finite, got {f}")
+        if in_place_min_mb is not None:
+            _checked_in_place_min_mb(in_place_min_mb)
         hook_fn = resolve_comm_hook(comm_hook)
         if comm is None:
             from ..comm.selection import init
@@ -518,8 +532,9 @@ class GradientReducer:
             raise ValueError(
                 f"{exc} The ranks' bucket options differ; with first_bucket_cap_mb=None each rank "
                 "picks it from its own comm.background_progress (CPU cores per process, progress "
-                "threads), which differs on uneven hosts: pass first_bucket_cap_mb (and the other "
-                "options) explicitly, the same on every rank."
+                "threads), which differs on uneven hosts, and with in_place_min_mb=None from its "
+                "own comm.cheap_collectives (host or device memory): pass first_bucket_cap_mb, "
+                "in_place_min_mb (and the other options) explicitly, the same on every rank."
             ) from None
         if broadcast_parameters:
             broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
@@ -547,6 +562,7 @@ class GradientReducer:
         for k, b in enumerate(self._in_place):
             b.flags = self._presence[k : k + 1]
         self._presence_work: Work | None = None
+        self._shared_storages: frozenset[int] = frozenset()
         self._pre = [self._factors(b.dtype)[0] for b in self._buckets]
         self._post = [self._factors(b.dtype)[1] for b in self._buckets]
 
@@ -944,19 +960,29 @@ class GradientReducer:
     def _launch_in_place(self, b: _Bucket) -> None:
         """Pre-divide the gradient in ``param.grad`` and send it as the bucket's buffer.
 
-        A rank without the gradient sends zeros (a new tensor, kept if another rank had one). A
-        non-contiguous gradient is sent as a contiguous copy, written back after the sum.
+        Runs at the end of backward only: autograd may hand a parameter a gradient that is a view
+        of a tensor other nodes still read (``p.unsqueeze(0)`` added to an activation), so writing
+        into it earlier would corrupt other gradients. A rank without the gradient sends zeros (a
+        new tensor, kept if another rank had one). A non-contiguous gradient, or one whose memory
+        another parameter's gradient shares (see :meth:`_shared_grad_storages`), is sent as a
+        contiguous pre-divided copy and written back after the sum.
         """
         p = b.params[0]
         g = p.grad
         with torch.no_grad():
+            pre = self._pre[b.index]
             if g is None:
                 buf = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            else:
-                buf = g if g.is_contiguous() else g.contiguous()
-                pre = self._pre[b.index]
+            elif g.is_contiguous() and g.untyped_storage().data_ptr() not in self._shared_storages:
+                buf = g
                 if pre != 1.0:
                     buf.div_(pre)
+            else:
+                buf = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+                if pre != 1.0:
+                    torch.div(g, pre, out=buf)
+                else:
+                    buf.copy_(g)
             b.flags.fill_(1.0 if g is not None else 0.0)
         b.buffer = buf
         self._send(b, GradBucket(b.index, buf.view(-1), b.numel, b.params, b.names,
@@ -972,6 +998,8 @@ class GradientReducer:
 
     def _finish_epoch(self) -> None:
         try:
+            if self._in_place:
+                self._shared_storages = self._shared_grad_storages()
             while self._next < len(self._buckets):
                 self._launch(self._buckets[self._next])
                 self._next += 1
@@ -999,6 +1027,22 @@ class GradientReducer:
         if observer is not None:
             observer.step()  # a profiled step ends when its backward's buckets are reduced
 
+    def _shared_grad_storages(self) -> frozenset[int]:
+        """Addresses of the memory blocks that hold the gradients of two or more parameters.
+
+        Autograd can give two parameters views of one tensor as gradients (``torch.stack`` or
+        ``torch.cat`` of parameters, or two ``p.unsqueeze(0)`` added to one activation); reducing
+        both in place would divide and sum that memory twice.
+        """
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for p in self._params:
+            g = p.grad
+            if g is not None and g.numel():
+                ptr = g.untyped_storage().data_ptr()
+                (shared if ptr in seen else seen).add(ptr)
+        return frozenset(shared)
+
     def _wait(self, work: Work, label: str) -> None:
         try:
             work.wait()
@@ -1017,9 +1061,10 @@ class GradientReducer:
             if post != 1.0:
                 buf.div_(post)
             g = p.grad
-            if g is None:
-                p.grad = buf
-            elif g is not buf:  # a non-contiguous gradient, sent as a contiguous copy
+            if g is None:  # no gradient here: the sum arrived in a zero tensor
+                # in the parameter's layout, as autograd would have made it (channels_last...)
+                p.grad = buf if p.is_contiguous() else torch.empty_like(p).copy_(buf)
+            elif g is not buf:  # sent as a copy (non-contiguous, or memory shared)
                 g.copy_(buf)
 
     def _write_back(self, b: _Bucket) -> None:
@@ -1116,7 +1161,8 @@ def _on_grad_ready(ref: _ReducerRef, pid: int, param: torch.Tensor) -> None:
     if reducer._overlap and bucket.pending == 0 and bidx == reducer._next:
         try:
             buckets = reducer._buckets
-            while reducer._next < len(buckets) and buckets[reducer._next].pending == 0:
+            while (reducer._next < len(buckets) and buckets[reducer._next].pending == 0
+                   and not buckets[reducer._next].in_place):  # those go at the end of backward
                 reducer._launch(buckets[reducer._next])
                 reducer._next += 1
         except BaseException as exc:
