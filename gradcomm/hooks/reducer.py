@@ -142,9 +142,9 @@ def resolve_in_place_min_mb(in_place_min_mb: float | None, comm: Communicator) -
     collective. That pays where collectives are cheap (:attr:`Communicator.cheap_collectives`:
     MPI on host memory), from 2 MiB up; elsewhere the default is ``math.inf`` (none). Measured
     on 2 ranks of a 2-core machine with the MLP of ``benchmarks/step_time.py`` (three 4 MiB
-    weights in place), step time against the same reducer with every gradient in one shared
-    bucket, median of the per-step ratio: mpi 0.964 (x the old algorithm: 0.874 against 0.908);
-    gloo 1.043, and 1.075 with every bucket launched at the end of backward.
+    weights in place, sent at the end of backward), step time against the same reducer with
+    every gradient in one shared bucket, median of the per-step ratio: mpi 0.936 (x the old
+    algorithm: 0.855 against 0.911); gloo 1.075.
 
     Raises:
         TypeError: not a number (or a bool). ValueError: negative or NaN.
