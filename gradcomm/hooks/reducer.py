@@ -370,8 +370,8 @@ class GradientReducer:
             parameters are reduced once, frozen ones (``requires_grad=False``) are skipped.
         comm: the communicator; None calls :func:`gradcomm.init`.
         bucket_cap_mb: cap of each bucket in MiB (2**20 bytes) of gradients (DDP's default 25).
-        first_bucket_cap_mb: cap of bucket 0 in MiB (of the first shared bucket: in-place
-            buckets, see ``in_place_min_mb``, may come before it). None (default): see
+        first_bucket_cap_mb: cap of bucket 0 in MiB (a shared bucket: in-place buckets, see
+            ``in_place_min_mb``, always come after the shared ones). None (default): see
             :func:`resolve_first_bucket_cap_mb` -- DDP's 1 MiB, so the first all-reduce starts
             early in the backward pass, when the transport progresses in the background, else
             ``bucket_cap_mb``. Ranks must resolve it alike (checked with the model).
@@ -900,8 +900,7 @@ class GradientReducer:
         before the send (reentrant checkpointing) arrives as a new tensor that is added, divided,
         to the slot instead of landing on an already divided view.
         """
-        if b.in_place:  # the gradient stays where it is; it is divided at launch
-            b.present[0] = b.params[0].grad is not None
+        if b.in_place:  # the gradient stays where it is; launch reads and divides it
             return
         if torch.is_grad_enabled():  # backward(create_graph=True); otherwise autograd turned it off
             with torch.no_grad():
