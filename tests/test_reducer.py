@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 from unittest.mock import PropertyMock, patch
 
+import numpy as np
 import pytest
 import torch
 from mpi_scripts.reducer_common import (
@@ -102,15 +103,47 @@ def test_grads_equal_global_batch_reference(
 
 
 @pytest.mark.parametrize("view", [False, True])
-@pytest.mark.parametrize("in_place", [math.inf, 0.0])
-def test_complex_parameters_equal_global_batch_reference(
-    view: bool, in_place: float
+@pytest.mark.parametrize("in_place", IN_PLACE)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_gradient_hook_registered_before_the_reducer_is_part_of_the_sum(
+    view: bool, in_place: float, overlap: bool
 ) -> None:
-    # No transport reduces complex numbers: the buckets go as their real view (as DDP does).
-    ref = complex_reference_grads(2)
+    # A post-accumulate-grad hook of the user's (per-parameter clipping, noise) that runs before
+    # the reducer's changes what is reduced, on every path: shared buckets copy the gradient in
+    # the reducer's hook, in-place ones read it at the end of backward (README: such hooks go
+    # before the reducer).
+    ref = reference_grads(2)
+
+    def double(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        p.grad.mul_(2.0)
 
     def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
-        model = ComplexNet()
+        model = eval_bn(make_model())
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(double)
+        GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                        gradient_as_bucket_view=view, in_place_min_mb=in_place, overlap=overlap)
+        loss_fn(model, *batch(comm.rank)).backward()
+        return grads_of(model)
+
+    out = run_ranks(2, fn)
+    assert grads_close(out[0], {n: 2.0 * g for n, g in ref.items()}) == []
+    assert_identical(out)
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("in_place", [math.inf, 0.0])
+@pytest.mark.parametrize("conj", [False, True])
+def test_complex_parameters_equal_global_batch_reference(
+    view: bool, in_place: float, conj: bool
+) -> None:
+    # No transport reduces complex numbers: the buckets go as their real view (as DDP does).
+    # conj: the gradient autograd makes is a lazy conjugate view, its sign kept in a bit.
+    ref = complex_reference_grads(2, conj)
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        model = ComplexNet(conj)
         GradientReducer(model, comm, gradient_as_bucket_view=view, in_place_min_mb=in_place)
         complex_loss(model, complex_batch(comm.rank)).backward()
         return grads_of(model)
@@ -127,13 +160,15 @@ def test_complex_parameters_equal_global_batch_reference(
 
 @pytest.mark.parametrize("hook", ["fp16_compress", "bf16_compress"])
 @pytest.mark.parametrize("in_place", [math.inf, 0.0])
+@pytest.mark.parametrize("conj", [False, True])
 def test_compression_of_a_complex_bucket_keeps_the_imaginary_part(
-    hook: str, in_place: float
+    hook: str, in_place: float, conj: bool
 ) -> None:
-    ref = complex_reference_grads(2)["w"]
+    # conj: a lazy conjugate gradient has no real view; the hook must get one that has
+    ref = complex_reference_grads(2, conj)["w"]
 
     def fn(comm: ThreadCommunicator) -> torch.Tensor:
-        model = ComplexNet()
+        model = ComplexNet(conj)
         GradientReducer(model, comm, comm_hook=hook, in_place_min_mb=in_place)
         complex_loss(model, complex_batch(comm.rank)).backward()
         return model.w.grad.clone()
@@ -768,6 +803,39 @@ def test_in_place_gradients_that_autograd_aliases_stay_right(view: bool, in_plac
         assert own["pos.weight"] and own["tok.weight"] and own["head.weight"]
 
 
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("in_place", [math.inf, 0.0, 1e-5])
+def test_aliased_gradients_on_one_rank_do_not_stay_aliased(view: bool, in_place: float) -> None:
+    # Rank 0's batch of 1 makes autograd alias c's and d's gradients (one memory); rank 1's
+    # batch of 2 does not. Written back into that memory, the two would stay one tensor, and with
+    # zero_grad(set_to_none=False) the next backward would add both gradients into it (2x).
+    idx = [torch.tensor([[1, 5, 7]]), torch.tensor([[2, 5, 9], [3, 0, 4]])]
+    sums: dict[str, torch.Tensor] = {}
+    for r in range(2):
+        ref = _AliasedGrads()
+        ref(idx[r]).backward()
+        for n, p in ref.named_parameters():
+            sums[n] = sums.get(n, 0) + p.grad / 2
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = _AliasedGrads()
+        GradientReducer(model, comm, in_place_min_mb=in_place, gradient_as_bucket_view=view)
+        got = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=False)
+            model(idx[comm.rank]).backward()
+            got.append(grads_of(model))
+        return got, model.c.grad.data_ptr() != model.d.grad.data_ptr()
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    for got, apart in out:
+        assert apart
+        for step in got:
+            assert grads_close(step, sums, rtol=1e-6) == []
+    assert_identical([step for got, _ in out for step in got])
+
+
 def test_view_mode_with_set_to_none_repoints_grads() -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         model = eval_bn(make_model())
@@ -1187,6 +1255,26 @@ def test_bad_arguments() -> None:
         with pytest.raises(error, match="in_place_min_mb"):
             resolve_in_place_min_mb(bad, comm)  # type: ignore[arg-type]
     assert math.copysign(1.0, resolve_in_place_min_mb(-0.0, comm)) == 1.0  # ranks compare equal
+    # sizes too large to count in bytes: refused early for caps, "none" for in_place_min_mb
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number of MiB, finite"):
+        GradientReducer(model, comm, bucket_cap_mb=1e308)
+    with pytest.raises(ValueError, match="first_bucket_cap_mb"):
+        GradientReducer(model, comm, first_bucket_cap_mb=math.inf)
+    assert resolve_in_place_min_mb(1e308, comm) == math.inf
+    big = GradientReducer(nn.Linear(2, 2), comm, in_place_min_mb=1e308)
+    assert big.in_place_min_mb == math.inf and not any(b.in_place for b in big.buckets)
+    big.remove()
+    # numpy scalars are numbers too (a config read with numpy); numpy bools are not
+    np_made = GradientReducer(nn.Linear(2, 2), comm, bucket_cap_mb=np.float32(0.5),
+                              first_bucket_cap_mb=np.int64(1), in_place_min_mb=np.float32(0.0))
+    assert np_made.in_place_min_mb == 0.0 and all(b.in_place for b in np_made.buckets)
+    np_made.remove()
+    # 1e30 MiB in bytes overflows float32, not float64
+    np_big = GradientReducer(nn.Linear(2, 2), comm, bucket_cap_mb=np.float32(1e30))
+    assert len(np_big.buckets) == 1
+    np_big.remove()
+    with pytest.raises(TypeError, match="in_place_min_mb must be a number of MiB, got bool"):
+        GradientReducer(model, comm, in_place_min_mb=np.bool_(True))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         GradientReducer(model, comm, gradient_predivide_factor=-1.0)
     with pytest.raises(ValueError, match="unknown comm hook"):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -154,13 +155,30 @@ def resolve_in_place_min_mb(in_place_min_mb: float | None, comm: Communicator) -
     return _checked_in_place_min_mb(in_place_min_mb)
 
 
+def _checked_mib(name: str, value: object) -> float:
+    """A size argument in MiB as a float, or raise TypeError (not a real number, or a bool; numpy
+    scalars are accepted)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of MiB, got {type(value).__name__}")
+    return float(value)
+
+
+def _checked_cap_mb(name: str, value: object) -> float:
+    """A bucket cap in MiB: positive, and finite in bytes too, or raise ValueError."""
+    mb = _checked_mib(name, value)
+    if not (mb > 0 and math.isfinite(mb * _MIB)):
+        raise ValueError(f"{name} must be a positive number of MiB, finite in bytes too, "
+                         f"got {value}")
+    return mb
+
+
 def _checked_in_place_min_mb(value: object) -> float:
-    """``value`` as a float >= 0 (``-0.0`` as ``0.0``, so ranks compare equal), or raise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"in_place_min_mb must be a number of MiB, got {type(value).__name__}")
-    if not value >= 0:
+    """``value`` as a float >= 0 (``-0.0`` as ``0.0``, so ranks compare equal; a size too large to
+    count in bytes as ``math.inf``, which it means), or raise."""
+    mb = _checked_mib("in_place_min_mb", value)
+    if not mb >= 0:
         raise ValueError(f"in_place_min_mb must be a number of MiB >= 0 (or math.inf), got {value}")
-    return float(value) + 0.0
+    return mb + 0.0 if math.isfinite(mb * _MIB) else math.inf
 
 
 @dataclass(frozen=True)
@@ -377,8 +395,7 @@ class GradientReducer:
             ``bucket_cap_mb``. Ranks must resolve it alike (checked with the model).
         in_place_min_mb: a gradient of at least this many MiB (2**20 bytes) is not copied into a
             shared bucket: it is a bucket of its own, pre-divided and all-reduced in place in
-            ``param.grad`` at the end of backward (after every hook, so a post-accumulate-grad
-            hook of yours that changes ``param.grad`` is part of the sum), which saves a pass
+            ``param.grad`` at the end of backward, which saves a pass
             over its memory for one more collective (the presence flags of all such buckets go
             in one more small all-reduce per backward pass). Such a ``param.grad`` is never a
             bucket view: it stays the tensor autograd made. ``0``: every gradient;
@@ -411,6 +428,15 @@ class GradientReducer:
             the model differs across ranks (raised on every rank, naming the first difference,
             before any other collective).
 
+    Gradient hooks of your own that change ``param.grad`` (per-parameter clipping, noise) must be
+    registered (``register_post_accumulate_grad_hook``) before the reducer is constructed: they
+    then run before the reducer's hook, and what they leave in ``param.grad`` is what is reduced,
+    on every path. A hook registered after it runs once the gradient was taken: in a shared
+    bucket a change is lost (the copy was already made; with ``gradient_as_bucket_view`` it may
+    even read ``param.grad`` as None), in an in-place bucket it is summed, so the result would
+    depend on ``in_place_min_mb`` and hence on the backend. Such hooks should only read. (In DDP
+    they run before its reducer whatever the order, as it hooks the gradient accumulator node.)
+
     The module is not wrapped: a copy of it (``copy.deepcopy``, ``torch.save`` of the whole module)
     is an ordinary local module whose gradients are not reduced, like the ``.module`` of a DDP
     wrapper.
@@ -441,14 +467,10 @@ class GradientReducer:
         overlap: bool = True,
         broadcast_parameters: bool = True,
     ) -> None:
-        for name, cap in (("bucket_cap_mb", bucket_cap_mb),
-                          ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if cap is None and name == "first_bucket_cap_mb":
-                continue
-            if isinstance(cap, bool) or not isinstance(cap, (int, float)):
-                raise TypeError(f"{name} must be a number of MiB, got {type(cap).__name__}")
-            if not math.isfinite(cap) or cap <= 0:
-                raise ValueError(f"{name} must be a positive number of MiB, got {cap}")
+        # numpy scalars become floats here, so sizes in bytes are computed in float64
+        bucket_cap_mb = _checked_cap_mb("bucket_cap_mb", bucket_cap_mb)
+        if first_bucket_cap_mb is not None:
+            first_bucket_cap_mb = _checked_cap_mb("first_bucket_cap_mb", first_bucket_cap_mb)
         for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view),
                            ("broadcast_buffers", broadcast_buffers), ("overlap", overlap),
                            ("broadcast_parameters", broadcast_parameters)):
@@ -463,7 +485,7 @@ class GradientReducer:
             if not math.isfinite(f) or f <= 0:
                 raise ValueError(f"gradient_predivide_factor must be positive and finite, got {f}")
         if in_place_min_mb is not None:
-            _checked_in_place_min_mb(in_place_min_mb)
+            in_place_min_mb = _checked_in_place_min_mb(in_place_min_mb)
         hook_fn = resolve_comm_hook(comm_hook)
         if comm is None:
             from ..comm.selection import init
@@ -962,9 +984,12 @@ class GradientReducer:
         Runs at the end of backward only: autograd may hand a parameter a gradient that is a view
         of a tensor other nodes still read (``p.unsqueeze(0)`` added to an activation), so writing
         into it earlier would corrupt other gradients. A rank without the gradient sends zeros (a
-        new tensor, kept if another rank had one). A non-contiguous gradient, or one whose memory
-        another parameter's gradient shares (see :meth:`_shared_grad_storages`), is sent as a
-        contiguous pre-divided copy and written back after the sum.
+        new tensor, kept if another rank had one). A non-contiguous gradient, a lazy conjugate or
+        negative view (``w.conj()`` in the model: its values live in a bit, not in memory, and
+        hooks that reinterpret the buffer, e.g. ``torch.view_as_real``, refuse it), or one whose
+        memory another parameter's gradient shares (see :meth:`_shared_grad_storages`), is sent
+        as a contiguous pre-divided copy and written back after the sum (``copy_`` honours the
+        bits).
         """
         p = b.params[0]
         g = p.grad
@@ -972,7 +997,8 @@ class GradientReducer:
             pre = self._pre[b.index]
             if g is None:
                 buf = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            elif g.is_contiguous() and g.untyped_storage().data_ptr() not in self._shared_storages:
+            elif (g.is_contiguous() and not g.is_conj() and not g.is_neg()
+                  and g.untyped_storage().data_ptr() not in self._shared_storages):
                 buf = g
                 if pre != 1.0:
                     buf.div_(pre)
@@ -997,7 +1023,7 @@ class GradientReducer:
 
     def _finish_epoch(self) -> None:
         try:
-            if self._in_place:
+            if self._in_place or not self._view:  # view mode repoints every grad to its view
                 self._shared_storages = self._shared_grad_storages()
             while self._next < len(self._buckets):
                 self._launch(self._buckets[self._next])
@@ -1031,7 +1057,10 @@ class GradientReducer:
 
         Autograd can give two parameters views of one tensor as gradients (``torch.stack`` or
         ``torch.cat`` of parameters, or two ``p.unsqueeze(0)`` added to one activation); reducing
-        both in place would divide and sum that memory twice.
+        both in place would divide and sum that memory twice, and writing the results back into
+        it would leave the last one in both where the views overlap -- and keep them aliased, so
+        that with ``zero_grad(set_to_none=False)`` the next backward adds both parameters'
+        gradients into one memory. Such gradients get new tensors at write-back instead.
         """
         seen: set[int] = set()
         shared: set[int] = set()
@@ -1060,15 +1089,19 @@ class GradientReducer:
             if post != 1.0:
                 buf.div_(post)
             g = p.grad
-            if g is None:  # no gradient here: the sum arrived in a zero tensor
-                # in the parameter's layout, as autograd would have made it (channels_last...)
+            if g is None or (g is not buf
+                             and g.untyped_storage().data_ptr() in self._shared_storages):
+                # no gradient here (the sum arrived in a zero tensor), or one whose memory other
+                # gradients share: a tensor of its own, in the parameter's layout as autograd
+                # would have made it (channels_last...)
                 p.grad = buf if p.is_contiguous() else torch.empty_like(p).copy_(buf)
-            elif g is not buf:  # sent as a copy (non-contiguous, or memory shared)
+            elif g is not buf:  # sent as a copy (non-contiguous, lazy conj/neg)
                 g.copy_(buf)
 
     def _write_back(self, b: _Bucket) -> None:
         post = self._post[b.index]
         flags = b.flags.tolist()
+        shared = self._shared_storages  # copy mode: grads that must not be written into
         with torch.no_grad():
             if self._view and post != 1.0:
                 b.data.div_(post)
@@ -1079,7 +1112,7 @@ class GradientReducer:
                 if self._view:
                     if g is not v:
                         p.grad = v
-                elif g is None:
+                elif g is None or (shared and g.untyped_storage().data_ptr() in shared):
                     p.grad = torch.div(v, post) if post != 1.0 else v.clone()
                 elif post != 1.0:
                     torch.div(v, post, out=g)

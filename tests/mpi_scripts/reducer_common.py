@@ -90,10 +90,15 @@ def reference_grads(world_size: int, seed: int = 1) -> dict[str, torch.Tensor]:
 
 
 class ComplexNet(nn.Module):
-    """A complex64 weight and a real head, initialised without the global RNG (thread ranks)."""
+    """A complex64 weight and a real head, initialised without the global RNG (thread ranks).
 
-    def __init__(self) -> None:
+    ``conj=True`` uses the weight as ``w.conj()``: autograd then hands ``w`` a gradient that is a
+    lazy conjugate view (``w.grad.is_conj()``), whose values live in a bit, not in memory.
+    """
+
+    def __init__(self, conj: bool = False) -> None:
         super().__init__()
+        self.conj = conj
         g = torch.Generator().manual_seed(5)
         self.w = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64, generator=g))
         self.head = nn.Linear(3, 1)
@@ -102,7 +107,8 @@ class ComplexNet(nn.Module):
             self.head.bias.copy_(torch.randn(1, generator=g))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head((self.w @ x.T).abs().T)
+        w = self.w.conj() if self.conj else self.w
+        return self.head((w @ x.T).abs().T)
 
 
 def complex_batch(rank: int) -> torch.Tensor:
@@ -114,9 +120,9 @@ def complex_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).mean()
 
 
-def complex_reference_grads(world_size: int) -> dict[str, torch.Tensor]:
+def complex_reference_grads(world_size: int, conj: bool = False) -> dict[str, torch.Tensor]:
     """Gradients of one :class:`ComplexNet` on the concatenated global complex batch."""
-    model = ComplexNet()
+    model = ComplexNet(conj)
     complex_loss(model, torch.cat([complex_batch(r) for r in range(world_size)])).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
