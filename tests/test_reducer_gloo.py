@@ -116,6 +116,11 @@ def _gloo_checks(rank: int, world_size: int) -> bytes:
         GradientReducer(cmodel, comm)
         complex_loss(cmodel, complex_batch(rank)).backward()
         out["complex"] = {n: p.grad.clone() for n, p in cmodel.named_parameters()}
+        # ... also where autograd hands out a lazy conjugate gradient (w.conj()), reduced in place
+        cmodel = ComplexNet(conj=True)
+        GradientReducer(cmodel, comm, in_place_min_mb=0.0)
+        complex_loss(cmodel, complex_batch(rank)).backward()
+        out["complex_conj"] = {n: p.grad.clone() for n, p in cmodel.named_parameters()}
 
         # 6. a model that differs across ranks: ValueError on every rank (the group stays usable)
         try:
@@ -164,10 +169,11 @@ def test_gloo_two_ranks_values() -> None:
                                       "gradcomm: gloo reduces torch.float16"]
         assert r["aliased"]
 
-    for name, want in complex_reference_grads(ws).items():
-        for r in res:
-            got = r["complex"][name]
-            assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    for key, conj in (("complex", False), ("complex_conj", True)):
+        for name, want in complex_reference_grads(ws, conj).items():
+            for r in res:
+                got = r[key][name]
+                assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
     # no_sync: the sum of two micro-batches' global-batch gradients
     ref_model = eval_bn(make_model())
