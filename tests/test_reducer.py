@@ -740,9 +740,10 @@ class _AliasedGrads(nn.Module):
     """Parameters whose gradients autograd hands out as views of other tensors (batch of 1):
     ``pos.weight.unsqueeze(0)`` (a learned position table) added to an activation gets a view of
     the activation's gradient, which the token embedding's backward reads after it; ``a`` and
-    ``b`` go through ``torch.stack``, whose backward gives each a view of one tensor; ``c`` and
-    ``d`` are both added to one activation through ``unsqueeze``, so their gradients are views of
-    the same memory."""
+    ``b`` go through ``torch.stack(...).sum(0)``, whose backward gives each a view of one
+    expanded tensor (the same memory); ``c`` and ``d`` are both added to one activation through
+    ``unsqueeze``, so their gradients are views of the same memory; ``e`` and ``f`` go through
+    ``torch.stack`` scaled per slice, so their gradients are disjoint slices of one tensor."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -753,11 +754,14 @@ class _AliasedGrads(nn.Module):
             self.b = nn.Parameter(torch.randn(3, 4))
             self.c = nn.Parameter(torch.randn(3, 4))
             self.d = nn.Parameter(torch.randn(3, 4))
+            self.e = nn.Parameter(torch.randn(3, 4))
+            self.f = nn.Parameter(torch.randn(3, 4))
             self.head = nn.Linear(4, 1)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.tok(idx) + self.pos.weight.unsqueeze(0)
         h = h * torch.stack([self.a, self.b]).sum(0)
+        h = h + (torch.stack([self.e, self.f]) * torch.tensor([1.0, 2.0]).view(2, 1, 1)).sum(0)
         h = torch.tanh(h) + self.c.unsqueeze(0) + self.d.unsqueeze(0)
         return self.head(torch.tanh(h)).sum()
 
@@ -798,9 +802,11 @@ def test_in_place_gradients_that_autograd_aliases_stay_right(view: bool, in_plac
         assert ("pos.weight",) in in_place_names and ("tok.weight",) in in_place_names
         for step in got:
             assert grads_close(step, sums, rtol=1e-6) == []
-        # a, b and c, d share memory: sent as copies; the others in place
+        # a, b and c, d overlap (one memory each): sent as copies; the others in place, including
+        # e and f, which share a storage without overlapping
         assert {n for n, mine in own.items() if not mine} == {"a", "b", "c", "d"}, own
         assert own["pos.weight"] and own["tok.weight"] and own["head.weight"]
+        assert own["e"] and own["f"]
 
 
 @pytest.mark.parametrize("view", [False, True])
@@ -834,6 +840,43 @@ def test_aliased_gradients_on_one_rank_do_not_stay_aliased(view: bool, in_place:
         for step in got:
             assert grads_close(step, sums, rtol=1e-6) == []
     assert_identical([step for got, _ in out for step in got])
+
+
+@pytest.mark.parametrize("in_place", IN_PLACE)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_grads_that_are_views_of_a_flat_buffer_of_the_users_stay_its_views(
+    in_place: float, overlap: bool
+) -> None:
+    # apex-style: the user points every p.grad at a view of one flat buffer (for a fused optimizer
+    # or a norm over it) and zeroes it with set_to_none=False; as with DDP, the averaged gradients
+    # must land in those views, not in new tensors that leave the buffer un-averaged.
+    ref = reference_grads(2)
+
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = eval_bn(make_model())
+        GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                        in_place_min_mb=in_place, overlap=overlap)
+        params = list(model.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        views, offset = [], 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            views.append(p.grad)
+            offset += p.numel()
+        got = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            loss_fn(model, *batch(comm.rank)).backward()
+            assert all(p.grad is v for p, v in zip(params, views, strict=True))
+            got.append(flat.clone())
+        return got
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    want = torch.cat([ref[n].reshape(-1) for n, _ in make_model().named_parameters()])
+    for got in out:
+        for flat in got:
+            assert torch.allclose(flat, want, rtol=1e-5, atol=1e-7)
 
 
 def test_view_mode_with_set_to_none_repoints_grads() -> None:

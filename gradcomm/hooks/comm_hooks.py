@@ -74,8 +74,8 @@ class GradBucket:
         flat: 1-D contiguous tensor of ``numel + len(params)`` elements, the bucket's dtype and
             device: the (pre-divided) gradients, then one presence flag per parameter. In an
             in-place bucket: ``numel`` elements, a flat view of the one parameter's gradient
-            itself -- or of a pre-divided contiguous copy when the gradient is not contiguous or
-            shares memory with another parameter's, or of zeros on a rank without it.
+            itself -- or of a pre-divided contiguous copy when the gradient is not contiguous, a
+            lazy conjugate view or overlaps another parameter's, or of zeros on a rank without it.
         numel: number of gradient elements at the front of ``flat``.
         params: the bucket's parameters, in the order their gradients lie in ``flat``.
         param_names: their names (``module.named_parameters()`` names, or ``params.<i>``).

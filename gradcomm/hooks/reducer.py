@@ -584,7 +584,7 @@ class GradientReducer:
         for k, b in enumerate(self._in_place):
             b.flags = self._presence[k : k + 1]
         self._presence_work: Work | None = None
-        self._shared_storages: frozenset[int] = frozenset()
+        self._overlapping: frozenset[int] = frozenset()
         self._pre = [self._factors(b.dtype)[0] for b in self._buckets]
         self._post = [self._factors(b.dtype)[1] for b in self._buckets]
 
@@ -987,7 +987,7 @@ class GradientReducer:
         new tensor, kept if another rank had one). A non-contiguous gradient, a lazy conjugate or
         negative view (``w.conj()`` in the model: its values live in a bit, not in memory, and
         hooks that reinterpret the buffer, e.g. ``torch.view_as_real``, refuse it), or one whose
-        memory another parameter's gradient shares (see :meth:`_shared_grad_storages`), is sent
+        memory overlaps another parameter's gradient (see :meth:`_overlapping_grads`), is sent
         as a contiguous pre-divided copy and written back after the sum (``copy_`` honours the
         bits).
         """
@@ -998,7 +998,7 @@ class GradientReducer:
             if g is None:
                 buf = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
             elif (g.is_contiguous() and not g.is_conj() and not g.is_neg()
-                  and g.untyped_storage().data_ptr() not in self._shared_storages):
+                  and g.data_ptr() not in self._overlapping):
                 buf = g
                 if pre != 1.0:
                     buf.div_(pre)
@@ -1024,7 +1024,7 @@ class GradientReducer:
     def _finish_epoch(self) -> None:
         try:
             if self._in_place or not self._view:  # view mode repoints every grad to its view
-                self._shared_storages = self._shared_grad_storages()
+                self._overlapping = self._overlapping_grads()
             while self._next < len(self._buckets):
                 self._launch(self._buckets[self._next])
                 self._next += 1
@@ -1052,24 +1052,47 @@ class GradientReducer:
         if observer is not None:
             observer.step()  # a profiled step ends when its backward's buckets are reduced
 
-    def _shared_grad_storages(self) -> frozenset[int]:
-        """Addresses of the memory blocks that hold the gradients of two or more parameters.
+    def _overlapping_grads(self) -> frozenset[int]:
+        """Start addresses (``data_ptr()``) of the gradients whose memory overlaps the gradient of
+        another parameter.
 
-        Autograd can give two parameters views of one tensor as gradients (``torch.stack`` or
-        ``torch.cat`` of parameters, or two ``p.unsqueeze(0)`` added to one activation); reducing
-        both in place would divide and sum that memory twice, and writing the results back into
-        it would leave the last one in both where the views overlap -- and keep them aliased, so
-        that with ``zero_grad(set_to_none=False)`` the next backward adds both parameters'
-        gradients into one memory. Such gradients get new tensors at write-back instead.
+        Autograd can give two parameters views of one memory as gradients (two ``p.unsqueeze(0)``
+        added to one activation, batch of 1): reducing both in place would divide and sum that
+        memory twice, and writing the results back into it would leave the last one in both --
+        and keep them aliased, so that with ``zero_grad(set_to_none=False)`` the next backward
+        adds both parameters' gradients into one memory. Such gradients are sent as copies and
+        get tensors of their own at write-back. Views that share a storage without overlapping
+        (``torch.stack`` of parameters, or a flat gradient buffer of the user's with ``p.grad``
+        set to views of it, as apex does) are reduced and written back where they lie, as DDP
+        does. Cheap when no storage is shared: one ``untyped_storage().data_ptr()`` per
+        gradient; only grads in a shared storage have their byte extents compared.
         """
-        seen: set[int] = set()
-        shared: set[int] = set()
+        by_storage: dict[int, list[torch.Tensor]] = {}
+        shared = False
         for p in self._params:
             g = p.grad
             if g is not None and g.numel():
-                ptr = g.untyped_storage().data_ptr()
-                (shared if ptr in seen else seen).add(ptr)
-        return frozenset(shared)
+                views = by_storage.setdefault(g.untyped_storage().data_ptr(), [])
+                views.append(g)
+                shared = shared or len(views) > 1
+        if not shared:
+            return frozenset()
+        spans = []  # (first byte, one past the last byte) of each grad in a shared storage
+        for views in by_storage.values():
+            if len(views) > 1:
+                for g in views:
+                    last = sum((n - 1) * st for n, st in zip(g.shape, g.stride(), strict=True))
+                    spans.append((g.data_ptr(), g.data_ptr() + (last + 1) * g.element_size()))
+        spans.sort()
+        overlapping: set[int] = set()
+        active: list[tuple[int, int]] = []  # spans that reach past the current start
+        for first, stop in spans:
+            active = [(a, b) for a, b in active if b > first]
+            if active:
+                overlapping.add(first)
+                overlapping.update(a for a, _ in active)
+            active.append((first, stop))
+        return frozenset(overlapping)
 
     def _wait(self, work: Work, label: str) -> None:
         try:
@@ -1090,7 +1113,7 @@ class GradientReducer:
                 buf.div_(post)
             g = p.grad
             if g is None or (g is not buf
-                             and g.untyped_storage().data_ptr() in self._shared_storages):
+                             and g.data_ptr() in self._overlapping):
                 # no gradient here (the sum arrived in a zero tensor), or one whose memory other
                 # gradients share: a tensor of its own, in the parameter's layout as autograd
                 # would have made it (channels_last...)
@@ -1101,7 +1124,7 @@ class GradientReducer:
     def _write_back(self, b: _Bucket) -> None:
         post = self._post[b.index]
         flags = b.flags.tolist()
-        shared = self._shared_storages  # copy mode: grads that must not be written into
+        overlapping = self._overlapping  # copy mode: grads that must not be written into
         with torch.no_grad():
             if self._view and post != 1.0:
                 b.data.div_(post)
@@ -1112,7 +1135,7 @@ class GradientReducer:
                 if self._view:
                     if g is not v:
                         p.grad = v
-                elif g is None or (shared and g.untyped_storage().data_ptr() in shared):
+                elif g is None or (overlapping and g.data_ptr() in overlapping):
                     p.grad = torch.div(v, post) if post != 1.0 else v.clone()
                 elif post != 1.0:
                     torch.div(v, post, out=g)
