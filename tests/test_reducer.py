@@ -1277,6 +1277,24 @@ def test_first_backward_alone_times_out_checking_the_hook() -> None:
     assert "same comm hook" in str(out[0]) and "all_gather" in str(out[0]), out[0]
 
 
+def test_predivide_factor_given_as_int_or_numpy_scalar_is_one_option() -> None:
+    # 2 on one rank and np.float32(2.0) on the other are the same factor: no false mismatch
+    ref = reference_grads(2)
+
+    def fn(comm: ThreadCommunicator) -> dict[str, torch.Tensor | None]:
+        factor = 2 if comm.rank == 0 else np.float32(2.0)
+        model = eval_bn(make_model())
+        reducer = GradientReducer(model, comm, gradient_predivide_factor=factor)
+        assert reducer.predivide_factors()[0] == (2.0, 1.0)
+        loss_fn(model, *batch(comm.rank)).backward()
+        return grads_of(model)
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    assert grads_close(out[0], ref) == []
+    assert_identical(out)
+
+
 def test_bad_arguments() -> None:
     comm = ThreadGroup(1).communicator(0)
     model = nn.Linear(2, 2)
@@ -1320,6 +1338,13 @@ def test_bad_arguments() -> None:
         GradientReducer(model, comm, in_place_min_mb=np.bool_(True))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         GradientReducer(model, comm, gradient_predivide_factor=-1.0)
+    # outside [1, world_size] a factor multiplies: 1e39 gave zeros, 1e-39 NaN
+    two = ThreadGroup(2)
+    for bad in (0.5, 3.0, 1e39, 1e-39, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"between 1 and world_size \(2\)"):
+            GradientReducer(model, two.communicator(0), gradient_predivide_factor=bad)
+    with pytest.raises(TypeError, match="gradient_predivide_factor must be a number"):
+        GradientReducer(model, comm, gradient_predivide_factor="2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown comm hook"):
         GradientReducer(model, comm, comm_hook="fp8")
     with pytest.raises(TypeError, match="Communicator"):

@@ -415,8 +415,8 @@ class GradientReducer:
             (``"allreduce"``, ``"fp16_compress"``, ``"bf16_compress"``) or a callable
             ``hook(state, bucket) -> Work`` (see :mod:`gradcomm.hooks.comm_hooks`).
         gradient_predivide_factor: divide gradients by this before the sum and by
-            ``world_size / factor`` after it; None: :func:`default_predivide_factor` per bucket
-            dtype.
+            ``world_size / factor`` after it, a number from 1 to ``world_size`` (so neither step
+            multiplies); None: :func:`default_predivide_factor` per bucket dtype.
         overlap: launch buckets during backward as they fill (True) or all at its end (False, the
             old end-of-backward algorithm; same values, bit for bit).
         broadcast_parameters: broadcast parameters and buffers from rank 0 at construction.
@@ -424,9 +424,9 @@ class GradientReducer:
     Raises:
         TypeError: bad argument types; a parameter that will produce sparse gradients
             (``nn.Embedding(sparse=True)``) -- named -- or is not a leaf tensor.
-        ValueError: bad caps or factor; parameters on a device the communicator does not serve;
-            the model differs across ranks (raised on every rank, naming the first difference,
-            before any other collective).
+        ValueError: bad caps, or a factor outside [1, world_size]; parameters on a device the
+            communicator does not serve; the model differs across ranks (raised on every rank,
+            naming the first difference, before any other collective).
 
     Gradient hooks of your own that change ``param.grad`` (per-parameter clipping, noise) must be
     registered (``register_post_accumulate_grad_hook``) before the reducer is constructed: they
@@ -477,13 +477,12 @@ class GradientReducer:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if gradient_predivide_factor is not None:
-            f = gradient_predivide_factor
-            if isinstance(f, bool) or not isinstance(f, (int, float)):
+            f: object = gradient_predivide_factor
+            if isinstance(f, bool) or not isinstance(f, numbers.Real):
                 raise TypeError(
                     f"gradient_predivide_factor must be a number, got {type(f).__name__}"
                 )
-            if not math.isfinite(f) or f <= 0:
-                raise ValueError(f"gradient_predivide_factor must be positive and finite, got {f}")
+            gradient_predivide_factor = float(f)  # 2 and 2.0 (and numpy scalars) alike
         if in_place_min_mb is not None:
             in_place_min_mb = _checked_in_place_min_mb(in_place_min_mb)
         hook_fn = resolve_comm_hook(comm_hook)
@@ -493,6 +492,13 @@ class GradientReducer:
             comm = init()
         elif not isinstance(comm, Communicator):
             raise TypeError(f"comm must be a gradcomm Communicator, got {type(comm).__name__}")
+        if gradient_predivide_factor is not None and not (
+            1.0 <= gradient_predivide_factor <= comm.world_size
+        ):
+            # Outside [1, world_size] one of the two factors multiplies: the gradients then
+            # overflow or flush to zero sooner than with no split at all (1e39 gave zeros).
+            raise ValueError(f"gradient_predivide_factor must be between 1 and world_size "
+                             f"({comm.world_size}), got {gradient_predivide_factor}")
         self._comm = comm
         self._module, named = _named_params(module_or_params)
         self._view = bool(gradient_as_bucket_view)
