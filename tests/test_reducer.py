@@ -1066,6 +1066,39 @@ def test_fingerprint_mismatch_raises_on_every_rank_naming_it() -> None:
         assert "1.weight" in str(err) and "(5, 4)" in str(err) and "rank 1" in str(err)
 
 
+def test_a_parameter_layout_that_differs_across_ranks_raises_on_every_rank() -> None:
+    # A shared bucket holds each gradient in its parameter's memory order: a channels_last conv
+    # weight on one rank against a contiguous one on the other summed unrelated elements (the
+    # ranks' grads differed by 8.1 before the layout was part of the fingerprint).
+    def fn(comm: ThreadCommunicator) -> Any:
+        with seeded(0):
+            model = nn.Conv2d(2, 3, 2)
+        if comm.rank == 0:
+            model = model.to(memory_format=torch.channels_last)
+        GradientReducer(model, comm, in_place_min_mb=math.inf)
+
+    for err in run_ranks(2, fn):
+        assert isinstance(err, ValueError), err
+        assert "param weight" in str(err) and "strides=(8, 1, 4, 2)" in str(err), err
+        assert "strides=(8, 4, 2, 1)" in str(err), err
+
+
+def test_size_one_dims_do_not_count_as_a_layout_difference() -> None:
+    # (3, 1) with strides (1, 1) and (1, 3) lie alike in memory: no false mismatch
+    def fn(comm: ThreadCommunicator) -> Any:
+        w = torch.ones(3, 1) if comm.rank == 0 else torch.ones(1, 3).t()
+        p = nn.Parameter(w)
+        reducer = GradientReducer([("w", p)], comm)
+        (p * (comm.rank + 1)).sum().backward()
+        reducer.remove()
+        return p.grad.clone()
+
+    out = run_ranks(2, fn)
+    assert not any(isinstance(r, Exception) for r in out), out
+    for got in out:
+        assert torch.equal(got, torch.full((3, 1), 1.5))
+
+
 def test_fingerprint_mismatch_in_count() -> None:
     def fn(comm: ThreadCommunicator) -> Any:
         layers = [nn.Linear(2, 2) for _ in range(2 + comm.rank)]

@@ -82,8 +82,8 @@ def check_fingerprint(
     differing = [r for r in range(ws) if texts[r] != texts[0] or counts[r] != counts[0]]
     shown = "; ".join(f"rank {r}: {texts[r]!r} ({counts[r]} entries)" for r in [0, *differing])
     raise ValueError(
-        f"{problem}: first difference at entry #{first} (name shape dtype, or the reducer's "
-        f"options): {shown}. {fix}"
+        f"{problem}: first difference at entry #{first} (name shape dtype layout, or the "
+        f"reducer's options): {shown}. {fix}"
     )
 
 

@@ -322,6 +322,14 @@ class _Bucket:
         return self.grad_bucket.label()
 
 
+def _bucket_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """The strides of ``p``'s view in a shared bucket: dense, in ``p``'s memory order (as
+    ``torch.empty_like`` makes them; channels_last stays channels_last, like DDP's views), with 0
+    for dims of size 1, whose stride does not change where any element lies."""
+    dense = torch.empty_like(p, device="meta").stride()
+    return tuple(st if n > 1 else 0 for n, st in zip(p.shape, dense, strict=True))
+
+
 def _assign_buckets(
     params: list[tuple[int, str, nn.Parameter]], cap_bytes: int, first_cap_bytes: int,
     in_place_bytes: int | None = None,
@@ -548,8 +556,11 @@ class GradientReducer:
                    f"GradientReducer setting comm_hook={_qualified_name(hook_fn)} "
                    f"broadcast_buffers={broadcast_buffers} "
                    f"broadcast_parameters={broadcast_parameters}"]
-        entries += [f"param {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
-                    for n, p in named]
+        # The layout too: a shared bucket holds each gradient in its parameter's memory order,
+        # so a channels_last weight on one rank against a contiguous one on another would sum
+        # unrelated elements.
+        entries += [f"param {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad} "
+                    f"strides={_bucket_strides(p)}" for n, p in named]
         entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
         try:
             check_fingerprint(comm, entries)
