@@ -35,6 +35,7 @@ def check_fingerprint(
     *,
     problem: str = "the model differs across ranks (checked before any other collective)",
     fix: str = "Build the same model, with the same options, on every rank.",
+    entry: str = "name shape dtype layout, or the reducer's options",
 ) -> None:
     """Check that every rank holds the same ``entries`` (e.g. ``"name shape dtype"`` per tensor).
 
@@ -42,6 +43,7 @@ def check_fingerprint(
         comm: the communicator; at world_size 1 nothing is exchanged.
         entries: one description per parameter/buffer, in registration order.
         problem, fix: the error message's opening words and closing advice.
+        entry: what an entry describes, named in the message after its index.
 
     Raises:
         ValueError: on every rank, when the entries differ; the message names the index of the
@@ -82,8 +84,7 @@ def check_fingerprint(
     differing = [r for r in range(ws) if texts[r] != texts[0] or counts[r] != counts[0]]
     shown = "; ".join(f"rank {r}: {texts[r]!r} ({counts[r]} entries)" for r in [0, *differing])
     raise ValueError(
-        f"{problem}: first difference at entry #{first} (name shape dtype layout, or the "
-        f"reducer's options): {shown}. {fix}"
+        f"{problem}: first difference at entry #{first} ({entry}): {shown}. {fix}"
     )
 
 

@@ -884,6 +884,7 @@ class GradientReducer:
                 problem="the comm hook differs across ranks (checked at the first synchronised "
                         "backward pass, before any bucket was sent)",
                 fix="Call register_comm_hook with the same hook on every rank, before training.",
+                entry="the comm hook",
             )
         except CollectiveTimeoutError as exc:
             self._mark_failed(f"checking the comm hook timed out: {exc}")
