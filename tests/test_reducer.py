@@ -75,6 +75,13 @@ def assert_identical(results: list[dict[str, torch.Tensor | None]]) -> None:
                 assert other is not None and torch.equal(g, other), name
 
 
+def assert_reference_on_every_rank(results: list[Any], ref: dict[str, torch.Tensor]) -> None:
+    """No rank raised, rank 0's grads match ``ref`` and every rank's are bit-identical to them."""
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert grads_close(results[0], ref) == []
+    assert_identical(results)
+
+
 # in_place_min_mb settings: every gradient through shared buckets; the two weights of fc1 and
 # fc2 (3 KiB and 1 KiB) reduced in place among shared buckets; every gradient in place (the
 # channels_last conv weight through a contiguous copy).
@@ -198,9 +205,7 @@ def test_backward_with_create_graph_averages_values(view: bool, in_place: float)
                 for n, p in model.named_parameters()}
 
     out = run_ranks(2, fn)
-    assert not any(isinstance(r, Exception) for r in out), out
-    assert grads_close(out[0], ref) == []
-    assert_identical(out)
+    assert_reference_on_every_rank(out, ref)
 
 
 def test_copies_of_a_wrapped_module_are_local_modules() -> None:
@@ -341,9 +346,7 @@ def test_a_reducer_lives_as_long_as_what_it_wraps() -> None:
         return grads_of(model)
 
     out = run_ranks(2, fn)
-    assert not any(isinstance(r, Exception) for r in out), out
-    assert grads_close(out[0], ref) == []
-    assert_identical(out)
+    assert_reference_on_every_rank(out, ref)
 
 
 @pytest.mark.parametrize("in_place", IN_PLACE)
@@ -1324,9 +1327,7 @@ def test_predivide_factor_given_as_int_or_numpy_scalar_is_one_option() -> None:
         return grads_of(model)
 
     out = run_ranks(2, fn)
-    assert not any(isinstance(r, Exception) for r in out), out
-    assert grads_close(out[0], ref) == []
-    assert_identical(out)
+    assert_reference_on_every_rank(out, ref)
 
 
 def test_bad_arguments() -> None:

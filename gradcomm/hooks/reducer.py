@@ -303,9 +303,7 @@ class _Bucket:
             self.flags = self.flat[self.numel:]
         offset = 0
         for p in self.params if not in_place else ():
-            # Same strides as the parameter (channels_last stays channels_last), like DDP's views.
-            stride = torch.empty_like(p, device="meta").stride()
-            self.views.append(self.data.as_strided(p.shape, stride, offset))
+            self.views.append(self.data.as_strided(p.shape, _dense_strides(p), offset))
             offset += p.numel()
         self.pending = len(self.params)
         self.present = [False] * len(self.params)  # this rank has a gradient (this backward)
@@ -322,12 +320,16 @@ class _Bucket:
         return self.grad_bucket.label()
 
 
-def _bucket_strides(p: torch.Tensor) -> tuple[int, ...]:
+def _dense_strides(p: torch.Tensor) -> tuple[int, ...]:
     """The strides of ``p``'s view in a shared bucket: dense, in ``p``'s memory order (as
-    ``torch.empty_like`` makes them; channels_last stays channels_last, like DDP's views), with 0
-    for dims of size 1, whose stride does not change where any element lies."""
-    dense = torch.empty_like(p, device="meta").stride()
-    return tuple(st if n > 1 else 0 for n, st in zip(p.shape, dense, strict=True))
+    ``torch.empty_like`` makes them; channels_last stays channels_last, like DDP's views)."""
+    return tuple(torch.empty_like(p, device="meta").stride())
+
+
+def _bucket_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """:func:`_dense_strides` as the cross-rank fingerprint compares them: 0 for dims of size 1,
+    whose stride does not change where any element lies."""
+    return tuple(st if n > 1 else 0 for n, st in zip(p.shape, _dense_strides(p), strict=True))
 
 
 def _assign_buckets(
