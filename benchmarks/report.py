@@ -1,4 +1,4 @@
-"""Markdown tables from the JSON results of ``benchmarks/step_time.py`` and ``gradcomm.bench``.
+"""Markdown tables from the JSON results of ``benchmarks/*.py`` and ``gradcomm.bench``.
 
     python benchmarks/report.py benchmarks/results/*.json
 """
@@ -119,6 +119,27 @@ def call_overhead_table(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def step_breakdown_table(doc: dict[str, Any]) -> list[str]:
+    """Markdown for a benchmarks/step_breakdown.py result (one row per variant, ms per phase)."""
+    meta = doc["meta"]
+    job = doc["median_ms"]
+    local_bwd = job["local"]["backward"]
+    out = [
+        f"`{meta['command']}` ({meta['world_size']} ranks, {meta['date_utc']}, model "
+        f"{meta['model']}, {meta['steps']} steps; ms, median over steps, max over ranks)",
+        "",
+        "| variant | forward | backward | of which gradcomm's hooks | backward beyond local's "
+        "| optimizer | step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, ms in job.items():
+        hooks = f"{ms['hooks']:.2f}" if name.startswith("gradcomm+") else ""
+        extra = f"{ms['backward'] - local_bwd:.2f}" if name != "local" else ""
+        out.append(f"| {name} | {ms['forward']:.2f} | {ms['backward']:.2f} | {hooks} | {extra} "
+                   f"| {ms['optimizer']:.2f} | {ms['step']:.2f} |")
+    return [*out, ""]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", type=Path)
@@ -130,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(step_time_tables(doc)))
         elif "kinds" in doc:
             print("\n".join(call_overhead_table(doc)))
+        elif "median_ms" in doc:
+            print("\n".join(step_breakdown_table(doc)))
         elif "rows" in doc:
             print("\n".join(sweep_tables(doc)))
         else:

@@ -537,6 +537,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def gradcomm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`gradcomm.GradientReducer` keyword arguments that ``args`` select."""
+    return {"bucket_cap_mb": args.bucket_cap_mb,
+            "first_bucket_cap_mb": args.first_bucket_cap_mb,
+            "in_place_min_mb": args.in_place_min_mb,
+            "gradient_as_bucket_view": args.gradient_as_bucket_view}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -546,10 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     models = [m.strip() for m in args.models.split(",") if m.strip()]  # checked by parse_args
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    options = {"bucket_cap_mb": args.bucket_cap_mb,
-               "first_bucket_cap_mb": args.first_bucket_cap_mb,
-               "in_place_min_mb": args.in_place_min_mb,
-               "gradient_as_bucket_view": args.gradient_as_bucket_view}
+    options = gradcomm_options(args)
     malloc = args.malloc
     if malloc == "retain" and not retain_freed_memory():
         malloc = "glibc (mallopt unavailable)"

@@ -428,6 +428,48 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -
     assert any(ln.strip().startswith("comm - raw:") for ln in lines), proc.stdout
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_step_breakdown_times_the_reducer_hooks_inside_backward(backend: str,
+                                                                tmp_path: Path) -> None:
+    out = tmp_path / "bd.json"
+    proc = run_mpi(REPO_ROOT / "benchmarks" / "step_breakdown.py", 2,
+                   ["--model", "conv", "--backend", backend, "--steps", "10", "--warmup", "1",
+                    "--out", str(out)], timeout=240, env={"PYTHONPATH": str(REPO_ROOT)})
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == backend
+    job = doc["median_ms"]
+    assert set(job) == {"local", f"old+{backend}", f"gradcomm+{backend}"}
+    for name, phases in job.items():
+        assert all(math.isfinite(ms) and ms >= 0 for ms in phases.values()), (name, phases)
+        assert 0 < phases["forward"] < phases["step"] and 0 < phases["backward"] < phases["step"]
+        # Only gradcomm's reducer has post-accumulate-grad hooks to bracket.
+        assert (phases["hooks"] > 0) == name.startswith("gradcomm+"), (name, phases)
+    gc = job[f"gradcomm+{backend}"]
+    assert gc["hooks"] < gc["backward"]
+    rows = {ln.split("|")[1].strip() for ln in proc.stdout.splitlines()
+            if ln.startswith("| ") and "---" not in ln}
+    assert rows == {"variant", *job}, proc.stdout
+    shown = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"), str(out)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    row = (f"| gradcomm+{backend} | {gc['forward']:.2f} | {gc['backward']:.2f} | "
+           f"{gc['hooks']:.2f} |")
+    assert row in shown and row in proc.stdout, (shown, proc.stdout)
+
+
+@pytest.mark.parametrize("argv", [["--steps", "9"], ["--warmup", "-1"], ["--model", "big"],
+                                  ["--backend", "nccl"]])
+def test_step_breakdown_rejects_bad_arguments_before_starting(argv: list[str]) -> None:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import step_breakdown  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit) as info:
+        step_breakdown.parse_args(argv)
+    assert info.value.code == 2
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--calls", "10"], "mpiexec with 2 or more ranks"),  # one process: nothing to compare
     (["--bytes", "6"], "multiple of 4"),  # would send 4 B and call it 6
