@@ -101,6 +101,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("need --steps >= 10")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.out is not None and (args.out.is_dir() or not args.out.resolve().parent.is_dir()):
+        p.error(f"--out {args.out}: not a file in an existing directory")  # before measuring
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() < 2:  # one process, or torchrun (whose ranks are MPI singletons)
+        p.error("run under mpiexec with 2 or more ranks, e.g. "
+                "mpiexec -n 2 python benchmarks/step_breakdown.py")
     return args
 
 
@@ -135,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     medians = {n: {ph: statistics.median(v) * 1e3 for ph, v in by.items()}
                for n, by in times.items()}
     gathered = world.gather(medians, root=0)
+    layout = variants[f"gradcomm+{args.backend}"].layout()
     for v in variants.values():
         v.close()
     if rank == 0:
@@ -147,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "world_size": size, "model": args.model, "backend": args.backend,
                 "steps": args.steps, "malloc": malloc, "torch": torch.__version__,
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                "gradcomm_options": options, "gradcomm_buckets": layout,
             },
             "median_ms": job,
         }

@@ -458,7 +458,8 @@ def test_step_breakdown_times_the_reducer_hooks_inside_backward(backend: str,
 
 
 @pytest.mark.parametrize("argv", [["--steps", "9"], ["--warmup", "-1"], ["--model", "big"],
-                                  ["--backend", "nccl"]])
+                                  ["--backend", "nccl"], ["--out", "/"],
+                                  ["--out", "/no/such/dir/bd.json"]])
 def test_step_breakdown_rejects_bad_arguments_before_starting(argv: list[str]) -> None:
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     try:
@@ -468,6 +469,13 @@ def test_step_breakdown_rejects_bad_arguments_before_starting(argv: list[str]) -
     with pytest.raises(SystemExit) as info:
         step_breakdown.parse_args(argv)
     assert info.value.code == 2
+
+
+def test_step_breakdown_refuses_one_process() -> None:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "step_breakdown.py")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 2 and "mpiexec with 2 or more ranks" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(("argv", "says"), [
