@@ -34,6 +34,14 @@ def test_collectives_every_op_and_dtype(n: int) -> None:
     ), out
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_all_reduce_shortcut_and_every_fallback_give_the_general_paths_values(n: int) -> None:
+    out = run_mpi(SCRIPTS / "mpi_backend_shortcut.py", n, timeout=60).stdout
+    assert sorted(_results(out, "shortcut")) == sorted(
+        f"RESULT shortcut ok rank={r} checks=24" for r in range(n)
+    ), out
+
+
 def test_device_buffer_path_with_fake_adapters() -> None:
     out = run_mpi(SCRIPTS / "mpi_backend_staging.py", 2, timeout=60).stdout
     for mode in ("zero-copy", "staged", "real-adapter"):
