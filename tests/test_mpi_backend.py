@@ -120,11 +120,18 @@ def test_all_gather_with_input_aliasing_output(backend: str) -> None:
     assert len(_results(proc.stdout, "alias-ok")) == 2, proc.stdout
 
 
-@pytest.mark.parametrize("case", ["dropped", "short-wait"])
+@pytest.mark.parametrize("case", ["dropped", "short-wait", "swapped"])
 def test_pending_collectives_keep_their_buffers_and_block_only_while_pending(case: str) -> None:
     proc = run_mpi(SCRIPTS / "mpi_backend_pending.py", 2, [case], timeout=60)
     assert sorted(_results(proc.stdout, "pending")) == [
         f"RESULT pending {case} ok rank={r}" for r in range(2)
+    ], proc.stdout
+
+
+def test_pending_collective_keeps_its_memory_when_the_tensor_gets_other_memory_on_gloo() -> None:
+    proc = run_mpi(SCRIPTS / "mpi_backend_pending.py", 2, ["swapped", "gloo"], timeout=60)
+    assert sorted(_results(proc.stdout, "pending")) == [
+        f"RESULT pending swapped ok rank={r}" for r in range(2)
     ], proc.stdout
 
 

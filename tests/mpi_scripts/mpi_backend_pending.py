@@ -1,4 +1,5 @@
-"""Run under ``mpiexec -n 2``: collectives left pending by the caller, on the mpi backend.
+"""Run under ``mpiexec -n 2``: collectives left pending by the caller, on the mpi backend
+(``swapped`` also on gloo: ``mpi_backend_pending.py swapped gloo``).
 
 Case ``dropped``: rank 1 joins 0.5 s late, so rank 0's async all-reduces are still pending when
 their :class:`Work` (and, for one, the tensor itself) is dropped. MPI still writes into those
@@ -9,6 +10,12 @@ Case ``short-wait``: rank 1 joins 1.5 s late; rank 0's ``wait(timeout=0.3)`` tim
 collective is pending, a new one must raise RuntimeError at once; once it completes (a second
 ``wait()``), the communicator must work again, on both ranks.
 
+Case ``swapped``: rank 1 joins 0.5 s late; rank 0 replaces the memory of each tensor it handed to
+a pending collective (``t.data = ...`` or ``t.set_(...)``; all_reduce on the shortcut and on the
+general path, 1-D and 2-D, broadcast, all_gather). MPI still writes into the old memory, so the
+collective must keep that memory alive (not just the tensor object, whose memory was replaced);
+otherwise the process crashes or corrupts tensors allocated since.
+
 Exits non-zero on a wrong value; prints ``RESULT pending <case> ok rank=<r>``.
 """
 
@@ -17,10 +24,12 @@ from __future__ import annotations
 import sys
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
 import gradcomm
+from gradcomm.comm import Work
 
 
 def dropped(comm: gradcomm.Communicator) -> None:
@@ -78,11 +87,61 @@ def short_wait(comm: gradcomm.Communicator) -> None:
         sys.exit(f"rank {r}: all_reduce after the late one gave {after.tolist()}")
 
 
+def swapped(comm: gradcomm.Communicator) -> None:
+    r, n = comm.rank, comm.world_size
+    comm.all_reduce(torch.ones(2))  # classifies float32: later calls may take the shortcut
+    size = 1 << 18  # 1 MiB of float32: freed memory goes back to the allocator's pool
+    cases: list[tuple[str, Callable[[torch.Tensor], Work]]] = [
+        ("all_reduce 1-D", lambda t: comm.all_reduce(t, async_op=True)),
+        ("all_reduce 2-D", lambda t: comm.all_reduce(t.view(512, -1), async_op=True)),
+        ("all_reduce MAX", lambda t: comm.all_reduce(t, "max", async_op=True)),
+        ("broadcast", lambda t: comm.broadcast(t, src=1, async_op=True)),
+    ]
+    for name, start in cases:
+        for how in ("data", "set_"):
+            if r == 1:
+                time.sleep(0.5)  # rank 0's collective stays pending meanwhile
+            t = torch.full((size,), float(r + 1))
+            handle = t if name != "all_reduce 2-D" else t.view(512, -1)
+            work = start(t)
+            if r == 0:
+                if how == "data":
+                    handle.data = torch.zeros(1)
+                else:
+                    handle.set_(torch.zeros(1))
+                del t
+                fresh = [torch.full((size,), 7.0) for _ in range(4)]  # may reuse freed memory
+            work.wait()
+            if r == 0 and any(not torch.equal(f, torch.full((size,), 7.0)) for f in fresh):
+                sys.exit(f"rank 0: {name} ({how}) wrote into memory allocated after the swap")
+    for how in ("data", "set_"):
+        if r == 1:
+            time.sleep(0.5)
+        src = torch.full((size,), float(r))
+        out = torch.empty(n * size)
+        work = comm.all_gather(out, src, async_op=True)
+        if r == 0:
+            if how == "data":
+                src.data, out.data = torch.zeros(1), torch.zeros(1)
+            else:
+                src.set_(torch.zeros(1))
+                out.set_(torch.zeros(1))
+            fresh = [torch.full((size,), 7.0) for _ in range(4)]
+        work.wait()
+        if r == 0 and any(not torch.equal(f, torch.full((size,), 7.0)) for f in fresh):
+            sys.exit(f"rank 0: all_gather ({how}) wrote into memory allocated after the swap")
+    probe = torch.ones(3)
+    comm.all_reduce(probe)
+    if not torch.equal(probe, torch.full((3,), float(n))):
+        sys.exit(f"rank {r}: all_reduce after the swaps gave {probe.tolist()}")
+
+
 def main() -> None:
     case = sys.argv[1]
-    with gradcomm.init("mpi", timeout=30) as comm:
+    backend = sys.argv[2] if len(sys.argv) > 2 else "mpi"  # swapped runs on gloo too
+    with gradcomm.init(backend, timeout=30) as comm:
         comm.barrier()
-        {"dropped": dropped, "short-wait": short_wait}[case](comm)
+        {"dropped": dropped, "short-wait": short_wait, "swapped": swapped}[case](comm)
         comm.barrier()
         print(f"RESULT pending {case} ok rank={comm.rank}", flush=True)
 

@@ -158,7 +158,9 @@ class MPIWork(Work):
         request: the ``MPI.Request`` returned by ``Iallreduce``/``Ibcast``/...
         description: what the collective is, for error messages.
         timeout: default timeout of :meth:`wait`, seconds (``None``: forever).
-        keepalive: objects (tensors, buffers) that must outlive the request.
+        keepalive: objects that must outlive the request: the tensors, and the storages of the
+            memory MPI reads and writes (a tensor alone is not enough: ``t.data = ...`` or
+            ``t.set_(...)`` while the collective is pending would free that memory).
         inflight: the communicator's list of pending works, which holds this one until its
             request completes (it removes itself then): MPI still reads and writes its buffers,
             and the standard forbids freeing a pending collective's request, so neither may die
@@ -509,7 +511,8 @@ class MPICommunicator(Communicator):
                 buf = _MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
                 request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], MPI.SUM)
                 request.Test()  # as in _all_reduce: a waiting peer gets this rank's data now
-                work = MPIWork(request, desc, self._timeout, (tensor, buf), self._inflight)
+                work = MPIWork(request, desc, self._timeout,
+                               (tensor, tensor.untyped_storage(), buf), self._inflight)
                 work._on_timeout = self._stall_note
                 if not async_op:
                     work.wait()
@@ -541,7 +544,7 @@ class MPICommunicator(Communicator):
         # One Test() at once: a peer already waiting gets this rank's first message now, not
         # after the Python that wraps the request (MPI advances only inside MPI calls).
         request.Test()
-        work = self._work(request, description, (tensor, wire, buf))
+        work = self._work(request, description, (tensor, wire, wire.untyped_storage(), buf))
         if finish is not None:
             work.add_callback(finish)
         if scratch is not None:
@@ -558,7 +561,8 @@ class MPICommunicator(Communicator):
         comm = self._live_comm()
         wire = flat_bytes(tensor)
         buf, finish = self._prepare(wire)
-        work = self._work(comm.Ibcast([buf, MPI.BYTE], root=src), description, (tensor, buf))
+        work = self._work(comm.Ibcast([buf, MPI.BYTE], root=src), description,
+                          (tensor, wire.untyped_storage(), buf))
         if finish is not None:
             work.add_callback(finish)
         return work
@@ -567,10 +571,12 @@ class MPICommunicator(Communicator):
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
     ) -> Work:
         comm = self._live_comm()
-        send, finish_send = self._prepare(flat_bytes(input), write=False)
-        recv, finish_recv = self._prepare(flat_bytes(output), read=False)
+        send_wire, recv_wire = flat_bytes(input), flat_bytes(output)
+        send, finish_send = self._prepare(send_wire, write=False)
+        recv, finish_recv = self._prepare(recv_wire, read=False)
         request = comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])
-        work = self._work(request, description, (input, output, send, recv))
+        work = self._work(request, description, (input, output, send_wire.untyped_storage(),
+                                                 recv_wire.untyped_storage(), send, recv))
         for finish in (finish_send, finish_recv):
             if finish is not None:
                 work.add_callback(finish)
