@@ -149,12 +149,7 @@ class TorchDistCommunicator(Communicator):
         return self._group
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
-        # A view of its own for the process group (as broadcast and all_gather pass): the work
-        # then holds the memory it reduces into even if the caller's tensor gets other memory
-        # while it is pending (``t.data = ...``, ``t.set_()``), which would otherwise make gloo
-        # read and write through the new, possibly smaller, memory.
-        return self._wrap(self._pg().allreduce([tensor.view(-1)], _reduce_options(op)),
-                          description)
+        return self._wrap(self._pg().allreduce([tensor], _reduce_options(op)), description)
 
     # broadcast and all_gather move bytes, so they go as uint8 views: any dtype works (gloo
     # rejects uint16/32/64, float8 and, for all_gather, complex with "Invalid scalar type").
