@@ -13,13 +13,16 @@ Case ``swapped``: rank 1 joins 0.5 s late; rank 0 replaces the memory of each te
 a pending collective (``t.data = ...`` or ``t.set_(...)``; all_reduce on the shortcut and on the
 general path, 1-D and 2-D, broadcast, all_gather). MPI still writes into the old memory, so the
 collective must keep that memory alive (not just the tensor object, whose memory was replaced);
-otherwise the process crashes or corrupts tensors allocated since.
+otherwise the process crashes or corrupts tensors allocated since. The tensor's new memory
+(same shape) stays untouched on these contiguous paths; a dropped work whose copy-back fails
+(the tensor got smaller memory) logs a warning, and the next collectives run on every rank.
 
 Exits non-zero on a wrong value; prints ``RESULT pending <case> ok rank=<r>``.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import weakref
@@ -104,15 +107,18 @@ def swapped(comm: gradcomm.Communicator) -> None:
             handle = t if name != "all_reduce 2-D" else t.view(512, -1)
             work = start(t)
             if r == 0:
+                new = torch.full(handle.shape, -5.0)  # new memory of the same shape
                 if how == "data":
-                    handle.data = torch.zeros(1)
+                    handle.data = new
                 else:
-                    handle.set_(torch.zeros(1))
+                    handle.set_(new)
                 del t
                 fresh = [torch.full((size,), 7.0) for _ in range(4)]  # may reuse freed memory
             work.wait()
             if r == 0 and any(not torch.equal(f, torch.full((size,), 7.0)) for f in fresh):
                 sys.exit(f"rank 0: {name} ({how}) wrote into memory allocated after the swap")
+            if r == 0 and not torch.equal(handle, torch.full(handle.shape, -5.0)):
+                sys.exit(f"rank 0: {name} ({how}) wrote into the tensor's new memory")
     for how in ("data", "set_"):
         if r == 1:
             time.sleep(0.5)
@@ -129,10 +135,28 @@ def swapped(comm: gradcomm.Communicator) -> None:
         work.wait()
         if r == 0 and any(not torch.equal(f, torch.full((size,), 7.0)) for f in fresh):
             sys.exit(f"rank 0: all_gather ({how}) wrote into memory allocated after the swap")
-    probe = torch.ones(3)
-    comm.all_reduce(probe)
-    if not torch.equal(probe, torch.full((3,), float(n))):
-        sys.exit(f"rank {r}: all_reduce after the swaps gave {probe.tolist()}")
+    # A dropped work whose copy-back (non-contiguous tensor) fails because the tensor got smaller
+    # memory: the error is logged, and the later collectives run on every rank, in step.
+    warned: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warned.append(record.getMessage())
+
+    logging.getLogger("gradcomm.comm.mpi").addHandler(Keep(logging.WARNING))
+    if r == 1:
+        time.sleep(0.5)
+    strided = torch.ones(8, 4)[:, ::2]
+    comm.all_reduce(strided, async_op=True)  # Work dropped
+    if r == 0:
+        strided.data = torch.zeros(1)
+    for i in range(5):
+        probe = torch.ones(3)
+        comm.all_reduce(probe)
+        if not torch.equal(probe, torch.full((3,), float(n))):
+            sys.exit(f"rank {r}: all_reduce {i} after the swaps gave {probe.tolist()}")
+    if r == 0 and not any("completion step failed" in w for w in warned):
+        sys.exit(f"rank 0: no warning about the failed copy-back; logged: {warned}")
 
 
 def main() -> None:

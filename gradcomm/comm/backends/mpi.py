@@ -51,7 +51,9 @@ started collective, so every later collective on the communicator raises Runtime
 as that one is still pending (a late peer that catches up makes it usable again; see
 :class:`~gradcomm.comm.Communicator`). A :class:`MPIWork` dropped before completion is kept by
 the communicator until MPI is done with its buffers (its copy-back and averaging still run then,
-at a later collective). Under ``mpiexec`` with more than one rank, creating a communicator
+at a later collective; an error they raise is logged as a warning on ``gradcomm.comm.mpi`` and
+kept for that work's ``wait()``, not raised by the later collective, which would leave this rank
+out of step with the others). Under ``mpiexec`` with more than one rank, creating a communicator
 installs (once per process, chaining the previous hook) a :data:`sys.excepthook` that prints the
 traceback and calls ``MPI.COMM_WORLD.Abort(1)`` -- what ``python -m mpi4py`` does -- so an
 uncaught error on one rank ends the whole job instead of leaving the other ranks spinning in a
@@ -60,6 +62,7 @@ collective. Set ``GRADCOMM_MPI_ABORT_ON_ERROR=0`` to opt out.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -85,6 +88,8 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         "the mpi backend needs the mpi4py package and an MPI library: pip install mpi4py mpich"
     ) from _exc
+
+logger = logging.getLogger("gradcomm.comm.mpi")
 
 # mpi4py 4 names it MPI.buffer; 3.x called the same class MPI.memory.
 _MPI_BUFFER = getattr(MPI, "buffer", None) or MPI.memory
@@ -601,7 +606,19 @@ class MPICommunicator(Communicator):
         if self._inflight:
             # Drives the oldest pending collective, which may be one whose Work was dropped: it
             # completes (its callbacks run) and leaves the list, freeing its buffers.
-            self._inflight[0].is_completed()
+            oldest = self._inflight[0]
+            try:
+                oldest.is_completed()
+            except Exception as exc:
+                if oldest._error is not exc:  # the transport failed, not a callback
+                    raise
+                # A completion step of that earlier collective failed (e.g. a copy-back into a
+                # tensor that was given other memory meanwhile). Raised here, before this
+                # collective is posted, it would make this rank alone skip a collective the
+                # others post; it stays on that Work, whose wait() raises it.
+                logger.warning("%s: its completion step failed (%s: %s); raised by its wait(), "
+                               "not by this collective", oldest.description,
+                               type(exc).__name__, exc)
         if self._comm is None:
             raise RuntimeError("mpi communicator is closed")
         return self._comm
