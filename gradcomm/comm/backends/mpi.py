@@ -496,9 +496,10 @@ class MPICommunicator(Communicator):
         The common call -- SUM of a dense, contiguous CPU tensor of a dtype MPI reduces natively
         (not bool), whose (dtype, device) an earlier call has classified, with no profiler and no
         collective pending or stalled on this communicator -- is posted here: the same
-        ``Iallreduce``, :class:`~gradcomm.comm.Description`, :class:`MPIWork` and wait as the
-        general path, without its nested calls. Between 1 MiB all-reduces, whose traffic leaves
-        the caches cold, those calls cost ~10 us per call (``benchmarks/call_overhead.py``).
+        ``Iallreduce``, :class:`~gradcomm.comm.Description`, :class:`MPIWork` (``_work``) and
+        wait (``_finish``) as the general path, without the nested calls of its checks and of
+        its posting. Between 1 MiB all-reduces, whose traffic leaves the caches cold, such calls
+        cost microseconds each (``benchmarks/call_overhead.py``).
         Every other call, including every one that raises, takes the general path.
         """
         if (op is ReduceOp.SUM and self.profiler is None and self._adapter is None
@@ -516,12 +517,8 @@ class MPICommunicator(Communicator):
                 buf = _MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
                 request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], MPI.SUM)
                 request.Test()  # as in _all_reduce: a waiting peer gets this rank's data now
-                work = MPIWork(request, desc, self._timeout,
-                               (tensor, tensor.untyped_storage(), buf), self._inflight)
-                work._on_timeout = self._stall_note
-                if not async_op:
-                    work.wait()
-                return work
+                work = self._work(request, desc, (tensor, tensor.untyped_storage(), buf))
+                return self._finish(work, async_op, tensor)
         return super().all_reduce(tensor, op, async_op=async_op, label=label)
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
