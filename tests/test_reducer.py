@@ -1181,6 +1181,61 @@ def test_parameter_frozen_on_one_rank_after_wrapping_raises_on_every_rank() -> N
     assert isinstance(other_error, gradcomm.CollectiveTimeoutError)  # its peer stopped: no hang
 
 
+@pytest.mark.parametrize("how", ["identity", "del", "nested"])
+def test_submodule_replaced_or_deleted_on_one_rank_raises_on_every_rank(how: str) -> None:
+    # The replaced submodule's own parameter table still held its parameters, so replacing fc2 by
+    # a module without parameters (or deleting it) passed the check: rank 1 trained another model
+    # and rank 0 got fc2's gradient halved, with no error.
+    def fn(comm: ThreadCommunicator) -> Any:
+        if how == "nested":
+            model: nn.Module = nn.Sequential(
+                nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), nn.Linear(3, 1))
+        else:
+            model = eval_bn(make_model())
+        GradientReducer(model, comm)
+        if comm.rank == 1:
+            if how == "identity":
+                model.fc2 = nn.Identity()
+            elif how == "del":
+                del model.fc2  # Net.forward would fail on it: the check must come first
+            else:
+                cast(nn.Sequential, model[0])[1] = nn.Identity()
+        if how == "nested":
+            model(torch.ones(2, 3)).sum().backward()
+        else:
+            loss_fn(model, *batch(comm.rank)).backward()
+
+    other_error, changed_rank_error = run_ranks(2, fn, timeout=1.0)
+    name = "0.1" if how == "nested" else "fc2"
+    assert isinstance(changed_rank_error, RuntimeError), changed_rank_error
+    assert f"submodule {name} was replaced or deleted" in str(changed_rank_error)
+    assert isinstance(other_error, gradcomm.CollectiveTimeoutError)  # its peer stopped: no hang
+
+
+def test_parameter_free_submodule_replaced_is_fine() -> None:
+    # Only submodules on the way to a reduced parameter are watched: swapping an activation
+    # changes no parameter, and the gradients stay averaged.
+    def fn(comm: ThreadCommunicator) -> Any:
+        with torch.no_grad():
+            model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+            for k, p in enumerate(model.parameters()):
+                p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (k + 1))
+        GradientReducer(model, comm)
+        model[1] = nn.Tanh()
+        model(torch.full((2, 3), float(comm.rank + 1))).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    out = run_ranks(2, fn)
+    with torch.no_grad():
+        ref = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+        for k, p in enumerate(ref.parameters()):
+            p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (k + 1))
+    (ref(torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])).sum() / 2).backward()
+    for got in out:
+        for g, p in zip(got, ref.parameters(), strict=True):
+            torch.testing.assert_close(g, p.grad)
+
+
 def test_reassigned_buffer_is_picked_up() -> None:
     # A buffer has no gradient; broadcast_buffers reads the module's buffers at every forward,
     # so a reassigned one is what gets broadcast (DDP keeps broadcasting the stale tensor).

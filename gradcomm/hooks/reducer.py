@@ -55,6 +55,9 @@ from ._structure import StructureWatch
 from ._sync import broadcast_tensors, check_fingerprint
 from .comm_hooks import CommHook, CommHookFn, GradBucket, resolve_comm_hook
 
+# What the forward check compares: (what, table, key, the object expected at table[key]).
+_Entry = tuple[str, dict[str, Any], str, object]
+
 __all__ = [
     "GradientReducer",
     "BucketInfo",
@@ -455,11 +458,18 @@ class GradientReducer:
     collective times out (and RuntimeError from every later backward: a late rank may complete
     the step that timed out here, so the ranks could no longer agree on which step they are in),
     ``TypeError`` naming a parameter whose gradient is sparse, and ``RuntimeError`` (naming it)
-    when a parameter or a submodule with parameters was replaced on the module after wrapping, or
-    a parameter added, unfrozen, frozen, converted to another dtype or resized there (a
+    when a parameter or a submodule with parameters was replaced (or deleted) on the module after
+    wrapping, or a parameter added, unfrozen, frozen, converted to another dtype or resized there (a
     reassigned buffer is picked up: buffers have no gradient), or when a gradient was accumulated
     again after its bucket was sent (reentrant checkpointing of a parameter also used outside the
     checkpointed region: use ``use_reentrant=False``).
+
+    The reducer owns the order of collectives on ``comm`` during backward. Ranks may differ in which
+    parameters get a gradient (a bucket missing one is sent at the end of backward instead), so
+    other collectives on the same communicator *inside* backward -- a second reducer's buckets in
+    the same backward, an all-reduce in an autograd function -- can pair up out of order across
+    ranks; give them a communicator of their own. (A backward that reaches none of the reducer's
+    parameters on some rank is not seen there at all, like a skipped backward; as in DDP.)
     """
 
     def __init__(
@@ -608,7 +618,8 @@ class GradientReducer:
         self._post = [self._factors(b.dtype)[1] for b in self._buckets]
 
         # ---- what to watch for replacement after wrapping
-        self._owners: list[tuple[str, dict[str, Any], str, torch.Tensor]] = []
+        self._owners: list[_Entry] = []
+        self._links: list[_Entry] = []
         self._frozen: list[tuple[str, torch.Tensor]] = []  # may be unfrozen later
         self._param_ids = frozenset(id(p) for p in self._params)
         self._layouts = [(p.dtype, p.shape) for p in self._params]  # what the buckets hold
@@ -767,19 +778,32 @@ class GradientReducer:
                 out.add(f"{mname}.weight" if mname else "weight")
         return out
 
-    def _ownership(self) -> list[tuple[str, dict[str, Any], str, torch.Tensor]]:
+    def _ownership(self) -> tuple[list[_Entry], list[_Entry]]:
+        """What the forward check compares by identity: each reduced parameter in its module's
+        ``_parameters`` table, and each submodule on the path from the root to such a module in
+        its parent's ``_modules`` table (the first path, as ``named_modules`` walks), so that a
+        submodule replaced by one without parameters, or deleted, is noticed too (the replaced
+        module's own table still holds its parameters)."""
         assert self._module is not None
-        owners = []
+        owners: list[_Entry] = []
+        links: list[_Entry] = []
         watched = {id(p) for p in self._params}
-        for mname, m in self._module.named_modules():
+        modules = dict(self._module.named_modules())
+        on_path: set[str] = set()
+        for mname, m in modules.items():
             prefix = f"{mname}." if mname else ""
             for local, p in m._parameters.items():
                 if p is not None and id(p) in watched:
                     owners.append((f"parameter {prefix}{local}", m._parameters, local, p))
+                    parts = mname.split(".") if mname else []
+                    on_path.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+        for path in sorted(on_path):
+            parent, _, local = path.rpartition(".")
+            links.append((f"submodule {path}", modules[parent]._modules, local, modules[path]))
         # Buffers are not watched: they have no gradient, and broadcast_buffers reads them
         # afresh each forward, so a buffer reassigned (``self.avg = 0.9 * self.avg + ...``)
         # is simply picked up.
-        return owners
+        return owners, links
 
     def _check_unchanged(self) -> None:
         for name, p, (dtype, shape) in zip(self._names, self._params, self._layouts,
@@ -813,20 +837,33 @@ class GradientReducer:
         for name, frozen in self._frozen:
             if frozen.requires_grad:
                 self._raise_unreduced(name)
-        if not self._watch.changed:
-            return
-        known = self._param_ids
-        named = list(self._module.named_parameters())
-        for name, t in named:
-            if t.requires_grad and id(t) not in known:
-                self._raise_unreduced(name)
-        self._watch_entries(named)  # only frozen parameters came: watch them too
-        self._watch.changed = False
+        changed = self._watch.changed
+        named: list[tuple[str, torch.Tensor]] = []
+        if changed:
+            known = self._param_ids
+            named = list(self._module.named_parameters())
+            for name, t in named:
+                if t.requires_grad and id(t) not in known:
+                    self._raise_unreduced(name)
+        # A submodule on the way to reduced parameters replaced without new trainable ones (by
+        # nn.Identity(), a frozen copy) or deleted (``del``, which no registration hook sees).
+        for what, table, local, obj in self._links:
+            if table.get(local) is not obj:
+                raise RuntimeError(
+                    f"{what} was replaced or deleted on the module after the GradientReducer was "
+                    "built, so this rank no longer trains the parameters the reducer averages "
+                    "(ranks would train different models); change the model before wrapping it, "
+                    "or call reducer.remove() and build a new GradientReducer"
+                )
+        if changed:
+            self._watch_entries(named)  # only frozen parameters came: watch them too
+            self._watch.changed = False
 
     def _watch_entries(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Record what the forward check compares against: every reduced parameter in its
-        module's table, and the frozen parameters (``named``: the module's)."""
-        self._owners = self._ownership()
+        module's table, the submodules on the way to them, and the frozen parameters (``named``:
+        the module's)."""
+        self._owners, self._links = self._ownership()
         self._frozen = [(n, t) for n, t in named if not t.requires_grad]
 
     @staticmethod
