@@ -20,8 +20,9 @@ ENV = {"PYTHONPATH": os.pathsep.join(PATHS)}
 RUNS = {
     # world size: cases (a fingerprint cannot differ at world size 1)
     2: ["fingerprint", "no_sync", "several_backwards", "checkpointing", "tied", "replaced",
-        "layouts", "sparse_and_int", "half", "buffers", "degenerate"],
-    3: ["fingerprint", "half", "no_sync", "sparse_and_int"],  # 3 ranks: the fp32 upcast path
+        "layouts", "sparse_and_int", "half", "buffers", "degenerate", "raised_on_one_rank"],
+    # 3 ranks: the fp32 upcast path, and a failure seen by two other ranks
+    3: ["fingerprint", "half", "no_sync", "sparse_and_int", "raised_on_one_rank"],
     1: ["no_sync", "half", "buffers", "degenerate"],
 }
 

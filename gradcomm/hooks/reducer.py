@@ -78,6 +78,11 @@ _EMPTY, _DIVIDED, _IN_VIEW = 0, 1, 2
 _PRESENCE_LABEL = "presence flags of the in-place gradients"
 
 
+def _has_nan(flags: list[Any]) -> bool:
+    """Whether summed presence flags carry a NaN: a rank sent the bucket as failed."""
+    return any(f != f for f in flags)
+
+
 def _queue_engine_callback(fn: Any) -> None:
     # torch has no public API to run code when a backward pass ends (the proposal to expose
     # torch.autograd.graph.queue_callback, pytorch#193958, was not merged); torch DDP and FSDP use
@@ -734,9 +739,12 @@ class GradientReducer:
     def synchronize(self) -> None:
         """Wait for every bucket in flight and write the averaged gradients back.
 
-        ``loss.backward()`` already does this at its end; call it before reading gradients when a
-        backward pass ended abnormally, or (as with Horovod) to be explicit before clipping.
+        ``loss.backward()`` already does this at its end; call it (as with Horovod) to be explicit
+        before clipping. After a backward pass that raised, it sends the rest of that pass's
+        buckets marked as failed -- the other ranks' backward of that step then raises -- and
+        writes nothing back (the next forward or backward would do the same).
         """
+        self._discard_if_stale()
         if self._epoch_active:
             self._finish_epoch()
 
@@ -892,7 +900,9 @@ class GradientReducer:
         # drops the callback, which is how we notice (the weak reference is dead).
         if self._epoch_active and self._token() is None:
             logger.warning("GradientReducer: the previous backward pass ended with an error; "
-                           "discarding its partial reduction")
+                           "discarding its partial reduction and sending the rest of its buckets "
+                           "marked as failed, so that the other ranks' backward of that step "
+                           "raises too")
             self._abort_epoch()
 
     # ------------------------------------------------------------------ backward
@@ -1089,15 +1099,19 @@ class GradientReducer:
                 self._presence_work = self._comm.all_reduce(
                     self._presence, async_op=True, label=_PRESENCE_LABEL
                 )
+            failed_elsewhere: str | None = None  # a bucket another rank sent as failed
             for b in self._buckets:
                 assert b.work is not None
                 self._wait(b.work, b.label())
-                if not b.in_place:
-                    self._write_back(b)
+                if not b.in_place and failed_elsewhere is None and not self._write_back(b):
+                    failed_elsewhere = b.label()
             if self._presence_work is not None:
                 self._wait(self._presence_work, _PRESENCE_LABEL)
-                for b in self._in_place:
-                    self._write_back_in_place(b)
+                if failed_elsewhere is None and _has_nan(self._presence.tolist()):
+                    failed_elsewhere = _PRESENCE_LABEL
+                if failed_elsewhere is None:
+                    for b in self._in_place:
+                        self._write_back_in_place(b)
         except BaseException as exc:
             if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
                 self._mark_failed(f"{type(exc).__name__}: {exc}")
@@ -1108,6 +1122,15 @@ class GradientReducer:
         observer = self._comm.profiler
         if observer is not None:
             observer.step()  # a profiled step ends when its backward's buckets are reduced
+        if failed_elsewhere is not None:
+            raise RuntimeError(
+                f"GradientReducer: the backward pass of this step raised on another rank, which "
+                f"sent the rest of its buckets marked as failed ({failed_elsewhere} and after); "
+                "the gradients of this step are not averaged (those of later buckets were not "
+                "written back). Every rank's backward of this step raised (this error here, "
+                "the original one there): handle it alike on every rank -- skip the step "
+                "(optimizer.zero_grad()) or redo it -- and the ranks stay in step"
+            )
 
     def _overlapping_grads(self) -> frozenset[int]:
         """Start addresses (``data_ptr()``) of the gradients whose memory overlaps the gradient of
@@ -1178,9 +1201,13 @@ class GradientReducer:
             elif g is not buf:  # sent as a copy (non-contiguous, lazy conj/neg)
                 g.copy_(buf)
 
-    def _write_back(self, b: _Bucket) -> None:
+    def _write_back(self, b: _Bucket) -> bool:
+        """Average and write back one shared bucket; False (nothing written) when another rank
+        sent it as failed (NaN presence flags, see :meth:`_abort_epoch`)."""
         post = self._post[b.index]
         flags = b.flags.tolist()
+        if _has_nan(flags):
+            return False
         overlapping = self._overlapping  # copy mode: grads that must not be written into
         with torch.no_grad():
             if self._view and post != 1.0:
@@ -1198,6 +1225,7 @@ class GradientReducer:
                     torch.div(v, post, out=g)
                 else:
                     g.copy_(v)
+        return True
 
     def _reset_epoch(self) -> None:
         for b in self._buckets:
@@ -1212,11 +1240,47 @@ class GradientReducer:
         self._epoch_active = False
         self._checked = False
 
+    def _send_rest_as_failed(self) -> None:
+        """Send the buckets of this backward pass not sent yet, with NaN presence flags (see
+        :meth:`_abort_epoch`): a rank that receives a NaN flag raises instead of writing back."""
+        nan = float("nan")
+        try:
+            with torch.no_grad():
+                while self._next < len(self._buckets):
+                    b = self._buckets[self._next]
+                    if b.in_place:  # zeros: the gradient in param.grad is left alone
+                        p = b.params[0]
+                        b.buffer = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                        grad_bucket = GradBucket(b.index, b.buffer.view(-1), b.numel, b.params,
+                                                 b.names, b.index == len(self._buckets) - 1,
+                                                 in_place=True)
+                    else:
+                        assert b.grad_bucket is not None
+                        b.flags.fill_(nan)
+                        grad_bucket = b.grad_bucket
+                    self._send(b, grad_bucket)
+                    self._next += 1
+                if self._in_place and self._presence_work is None:
+                    self._presence.fill_(nan)
+                    self._presence_work = self._comm.all_reduce(
+                        self._presence, async_op=True, label=_PRESENCE_LABEL
+                    )
+        except Exception as exc:  # noqa: BLE001 - already failing; wait for what went out
+            logger.warning("GradientReducer: sending the rest of a failed backward pass failed: "
+                           "%s", exc)
+
     def _abort_epoch(self, wait: bool = True) -> None:
-        # Wait for what was sent (every rank sent the same), so the next step starts clean. Not
-        # after a timeout, and not past the first failure: the buckets behind a collective that
-        # timed out would each time out in turn (MPI cannot cancel them), so a hang would take one
-        # full timeout per bucket in flight to surface instead of one.
+        # A backward pass that failed here (a user hook, a data-dependent error) may not have
+        # failed on the other ranks: they wait for the buckets this rank has not sent yet. Send
+        # them, marked as failed (NaN presence flags), so that the others' backward of this step
+        # raises too instead of averaging partial gradients or pairing the next step's buckets
+        # with these; then wait for what was sent, so the next step starts clean on every rank.
+        # Not after a timeout or a transport failure, and not past the first failure: the buckets
+        # behind a collective that timed out would each time out in turn (MPI cannot cancel
+        # them), so a hang would take one full timeout per bucket in flight to surface instead
+        # of one.
+        if wait and self._failed is None:
+            self._send_rest_as_failed()
         if wait:
             works = [(b.work, b.label()) for b in self._buckets[: self._next]]
             works.append((self._presence_work, _PRESENCE_LABEL))

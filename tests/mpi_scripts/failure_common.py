@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -740,6 +741,67 @@ def verify_degenerate(results: list[Result], world_size: int) -> Problems:
     return problems
 
 
+# ----------------------------------------------------------------------------- 12. one rank raises
+def _chain() -> nn.Sequential:
+    g = torch.Generator().manual_seed(90)
+    model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(3)])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def _chain_x(rank: int) -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(95 + rank))
+
+
+def run_raised_on_one_rank(comm: gradcomm.Communicator) -> Result:
+    """Rank 1's backward raises after two of three one-weight buckets were sent (a hook of the
+    user's on the first layer); every rank treats an error from backward alike and redoes the
+    step. Before, rank 1's redo paired its buckets with the others' waiting third bucket: wrong
+    values with no error (MPI), or a size-mismatch abort (gloo)."""
+    out = {}
+    for mode, in_place in (("shared", math.inf), ("in_place", 0.0)):
+        model = _chain()
+        reducer = GradientReducer(model, comm, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6,
+                                  in_place_min_mb=in_place)
+        errors = []
+        for attempt in range(2):
+            model.zero_grad()
+            handle = None
+            if comm.rank == 1 and attempt == 0:
+                handle = model[0].weight.register_hook(
+                    lambda g: (_ for _ in ()).throw(KeyError("user hook failed")))
+            err = error_of(lambda m=model: m(_chain_x(comm.rank)).pow(2).mean().backward())
+            if err is not None:
+                errors.append(err)
+            if handle is not None:
+                handle.remove()
+        out[mode] = {"errors": errors, "grads": grads_of(model)}
+        reducer.remove()
+    return out
+
+
+def verify_raised_on_one_rank(results: list[Result], world_size: int) -> Problems:
+    ref_model = _chain()
+    x = torch.cat([_chain_x(r) for r in range(world_size)])
+    ref_model(x).pow(2).mean().backward()
+    ref = {n: p.grad for n, p in ref_model.named_parameters()}
+    problems = []
+    for mode in ("shared", "in_place"):
+        for rank, r in enumerate(results):
+            errors = r[mode]["errors"]
+            want = "user hook failed" if rank == 1 else "raised on another rank"
+            if len(errors) != 1 or want not in errors[0][1]:
+                problems.append(f"{mode} rank {rank}: errors {errors}, expected one with {want!r}")
+            problems += [f"{mode} rank {rank}: {b}"
+                         for b in grads_close(r[mode]["grads"], ref, rtol=1e-5)]
+        if not identical(results, lambda r, m=mode: torch.cat(
+                [g.flatten() for g in r[m]["grads"].values()])):
+            problems.append(f"{mode}: grads differ across ranks")
+    return problems
+
+
 # ----------------------------------------------------------------------------- registry
 CASES: dict[str, tuple[Callable[[gradcomm.Communicator], Result],
                        Callable[[list[Result], int], Problems]]] = {
@@ -754,6 +816,7 @@ CASES: dict[str, tuple[Callable[[gradcomm.Communicator], Result],
     "half": (run_half, verify_half),
     "buffers": (run_buffers, verify_buffers),
     "degenerate": (run_degenerate, verify_degenerate),
+    "raised_on_one_rank": (run_raised_on_one_rank, verify_raised_on_one_rank),
 }
 
 
