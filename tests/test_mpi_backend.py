@@ -42,6 +42,20 @@ def test_all_reduce_shortcut_and_every_fallback_give_the_general_paths_values(n:
     ), out
 
 
+@pytest.mark.parametrize("case", ["same", "size"])
+def test_launch_settings_that_disagree_with_mpi_raise_on_every_rank(case: str) -> None:
+    # "same": every rank passed rank=0; rank 0's values matched MPI's, so it used to wait forever
+    # in MPI_Comm_dup for rank 1, which had raised.
+    out = run_mpi(SCRIPTS / "mpi_backend_launch_mismatch.py", 2, [case], timeout=60).stdout
+    lines = _results(out, "mismatch")
+    assert len(lines) == 2, out
+    wrong = "MPI rank 1 of 2: explicit settings say rank 0 of 2" if case == "same" else \
+        "MPI rank 0 of 2: explicit settings say rank 0 of 3"
+    for line in lines:
+        assert "RuntimeError: the launch settings disagree with MPI" in line, out
+        assert wrong in line, out
+
+
 def test_device_buffer_path_with_fake_adapters() -> None:
     out = run_mpi(SCRIPTS / "mpi_backend_staging.py", 2, timeout=60).stdout
     for mode in ("zero-copy", "staged", "real-adapter"):

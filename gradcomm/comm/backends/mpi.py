@@ -351,15 +351,11 @@ class MPICommunicator(Communicator):
                 "the mpi backend was asked for CUDA tensors, but torch.cuda.is_available() is False"
             )
         world = MPI.COMM_WORLD
-        mpi_rank, mpi_size = world.Get_rank(), world.Get_size()
+        mpi_size = world.Get_size()
         if launch.launcher is Launcher.SINGLE and mpi_size > 1:
             launch = self._launch_from_mpi(world)
-        elif (mpi_rank, mpi_size) != (launch.rank, launch.world_size):
-            raise RuntimeError(
-                f"MPI says this is rank {mpi_rank} of {mpi_size}, but the {launch.launcher.value} "
-                f"environment says rank {launch.rank} of {launch.world_size}; start the job with "
-                "mpiexec/mpirun (or srun with MPI) when using the mpi backend"
-            )
+        else:
+            self._check_launch_matches_mpi(world, launch)
         index: int | None = dev.index
         if dev.type == "cuda" and index is None:
             dev = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
@@ -387,6 +383,29 @@ class MPICommunicator(Communicator):
             self._adapter = mpi_device.DeviceBufferAdapter(self._cuda_aware)
         if launch.world_size > 1 and abort_on_error_enabled():
             install_abort_hook()
+
+    @staticmethod
+    def _check_launch_matches_mpi(world: MPIModule.Intracomm, launch: LaunchInfo) -> None:
+        """Raise RuntimeError, on every rank of ``world``, when any rank's ``launch`` (explicit
+        arguments or a launcher's environment) disagrees with MPI's own rank and size.
+
+        The ranks agree first (one blocking all-gather on ``COMM_WORLD``, as the ``Dup`` that
+        follows is): a rank whose settings happen to match MPI's would otherwise go on into that
+        ``Dup`` and wait forever for the rank that raised (e.g. ``rank=0, world_size=2`` passed
+        on every rank).
+        """
+        mine = (world.Get_rank(), world.Get_size(), launch.rank, launch.world_size)
+        views = [mine] if mine[1] == 1 else world.allgather(mine)
+        wrong = [v for v in views if (v[0], v[1]) != (v[2], v[3])]
+        if wrong:
+            details = "; ".join(f"MPI rank {m} of {n}: {launch.launcher.value} settings say "
+                                f"rank {r} of {w}" for m, n, r, w in wrong[:4])
+            more = f" (and {len(wrong) - 4} more ranks)" if len(wrong) > 4 else ""
+            raise RuntimeError(
+                f"the launch settings disagree with MPI on {len(wrong)} of {len(views)} ranks: "
+                f"{details}{more}; start the job with mpiexec/mpirun (or srun with MPI) and let "
+                "the mpi backend take rank and world_size from MPI"
+            )
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:
