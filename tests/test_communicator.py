@@ -543,3 +543,23 @@ def test_supports_takes_a_dtype_and_init_a_string_mapping() -> None:
     for env in ([], {"RANK": 0, "WORLD_SIZE": "1"}):
         with pytest.raises(TypeError, match="env must be a mapping of str to str"):
             gradcomm.init("gloo", env=env)  # type: ignore[arg-type]
+
+
+def test_async_op_label_and_wait_timeout_are_type_checked() -> None:
+    # A truthy string used to make the call asynchronous silently; a string timeout failed
+    # inside a comparison without naming the argument.
+    comm = ThreadGroup(1).communicator(0)
+    t = torch.ones(2)
+    for call in (lambda: comm.all_reduce(t, async_op="no"),  # type: ignore[arg-type]
+                 lambda: comm.broadcast(t, async_op=1),  # type: ignore[arg-type]
+                 lambda: comm.all_gather(torch.empty(2), t, async_op=None)):  # type: ignore
+        with pytest.raises(TypeError, match="async_op must be a bool"):
+            call()
+    with pytest.raises(TypeError, match="label must be a str or None"):
+        comm.all_reduce(t, label=5)  # type: ignore[arg-type]
+    work = comm.all_reduce(t, async_op=True, label="ok")
+    for bad in ("1", True, [1]):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds or None"):
+            work.wait(timeout=bad)  # type: ignore[arg-type]
+    work.wait(timeout=1)
+    assert torch.equal(t, torch.ones(2))

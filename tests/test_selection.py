@@ -259,3 +259,40 @@ def test_import_gradcomm_does_not_import_mpi4py() -> None:
 
 def test_top_level_init_is_the_same_function() -> None:
     assert gradcomm.init is init
+
+
+@pytest.mark.parametrize("kwargs, exc, text", [
+    ({"rank": 0.0, "world_size": 1}, TypeError, "rank must be an int, got float"),
+    ({"rank": "0", "world_size": 1}, TypeError, "rank must be an int, got str"),
+    ({"rank": 0, "world_size": 1.5}, TypeError, "world_size must be an int, got float"),
+    ({"rank": True, "world_size": 1}, TypeError, "rank must be an int, got bool"),
+    ({"rank": 0, "world_size": 1, "local_rank": 0.0}, TypeError, "local_rank must be an int"),
+    ({"rank": 0, "world_size": 1, "device": "tpu"}, ValueError, "device 'tpu' is not a torch"),
+    ({"rank": 0, "world_size": 1, "device": 3}, TypeError, "device must be a str or torch.device"),
+])
+def test_init_refuses_badly_typed_placement_and_device(kwargs: dict[str, object],
+                                                       exc: type[Exception], text: str) -> None:
+    # A float rank used to be accepted (comm.rank == 0.0) or to fail later with an unrelated
+    # error; a device torch does not know raised torch's RuntimeError.
+    with pytest.raises(exc, match=text):
+        init("gloo", env={}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_init_accepts_numpy_integers_as_ints() -> None:
+    import numpy as np
+
+    with init("gloo", env={}, rank=np.int64(0), world_size=np.int64(1)) as comm:
+        assert type(comm.rank) is int and comm.rank == 0 and comm.world_size == 1
+
+
+@pytest.mark.parametrize("raw", ["maybe", "2", "yes please"])
+def test_bad_abort_on_error_value_raises(raw: str) -> None:
+    from gradcomm.comm.mpi_abort import abort_on_error_enabled
+
+    with pytest.raises(ValueError, match="GRADCOMM_MPI_ABORT_ON_ERROR"):
+        abort_on_error_enabled({"GRADCOMM_MPI_ABORT_ON_ERROR": raw})
+    for on in ("", "1", "TRUE", " on "):
+        assert abort_on_error_enabled({"GRADCOMM_MPI_ABORT_ON_ERROR": on})
+    for off in ("0", "false", "No", "OFF"):
+        assert not abort_on_error_enabled({"GRADCOMM_MPI_ABORT_ON_ERROR": off})
+    assert abort_on_error_enabled({})

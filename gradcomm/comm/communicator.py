@@ -46,6 +46,15 @@ class CollectiveObserver(Protocol):
         ...
 
 
+def _check_call_args(async_op: object, label: object = None) -> None:
+    """TypeError unless ``async_op`` is a bool and ``label`` a str or None (a truthy string such as
+    ``"no"`` would otherwise silently make the call asynchronous)."""
+    if async_op.__class__ is not bool:
+        raise TypeError(f"async_op must be a bool, got {type(async_op).__name__} {async_op!r}")
+    if label is not None and not isinstance(label, str):
+        raise TypeError(f"label must be a str or None, got {type(label).__name__}")
+
+
 def _check_writable(tensor: torch.Tensor, opname: str) -> None:
     """Raise ValueError if some elements of ``tensor`` share one memory location (an
     ``expand()``-ed view, stride 0): a collective's result cannot be written into it (``copy_``
@@ -264,13 +273,15 @@ class Communicator(abc.ABC):
             A :class:`Work`; ``tensor`` holds the result after ``Work.wait()``.
 
         Raises:
-            TypeError: not a tensor, sparse, unsupported dtype, or ``AVG`` on a non-float dtype.
+            TypeError: not a tensor, sparse, unsupported dtype, ``AVG`` on a non-float dtype,
+                ``async_op`` not a bool or ``label`` not a str.
             ValueError: unknown op name, a tensor on the wrong device type, or one whose
                 elements share memory (``expand()``).
             RuntimeError: the communicator is closed.
         """
         if op.__class__ is not ReduceOp:  # the common case skips a classmethod call
             op = ReduceOp.coerce(op)
+        _check_call_args(async_op, label)
         self._check_open()
         try:
             tail = self._check_tensor(tensor, "all_reduce")
@@ -350,10 +361,12 @@ class Communicator(abc.ABC):
             async_op: return at once with a pending :class:`Work`.
 
         Raises:
-            TypeError: not a tensor or sparse. ValueError: ``src`` out of range, wrong device, or
+            TypeError: not a tensor, sparse, or ``async_op`` not a bool. ValueError: ``src`` out
+                of range, wrong device, or
             elements that share memory (``expand()``).
             RuntimeError: the communicator is closed.
         """
+        _check_call_args(async_op)
         self._check_open()
         tail = self._check_tensor(tensor, "broadcast", reduction=False)
         if isinstance(src, bool) or not isinstance(src, int):
@@ -387,10 +400,12 @@ class Communicator(abc.ABC):
         ``output.view(-1)[r * n:(r + 1) * n]`` with ``n = input.numel()``.
 
         Raises:
-            TypeError: not tensors, or dtypes differ. ValueError: ``output.numel()`` is not
+            TypeError: not tensors, dtypes differ, or ``async_op`` not a bool.
+            ValueError: ``output.numel()`` is not
             ``world_size * input.numel()``, wrong device, or ``output``'s elements share memory
             (``expand()``). RuntimeError: closed.
         """
+        _check_call_args(async_op)
         self._check_open()
         tail = self._check_tensor(input, "all_gather", reduction=False)
         self._check_tensor(output, "all_gather", reduction=False)

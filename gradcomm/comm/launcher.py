@@ -8,11 +8,19 @@ in any process. Precedence, first match wins: explicit arguments > torchrun > MP
 from __future__ import annotations
 
 import enum
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Launcher", "LaunchInfo", "cpus_per_local_process", "detect_launch"]
+__all__ = [
+    "Launcher",
+    "LaunchInfo",
+    "check_launch_matches_mpi",
+    "cpus_per_local_process",
+    "detect_launch",
+]
 
 
 class Launcher(enum.Enum):
@@ -61,6 +69,12 @@ class LaunchInfo:
     agent_store: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "local_rank", "local_world_size"):
+            value = getattr(self, name)
+            # numpy integers are fine; bool, float ("1.0", 0.0) and str are not
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -150,6 +164,8 @@ def detect_launch(
         one that gives a local rank but no local size gets ``local_world_size = world_size``.
 
     Raises:
+        TypeError: an explicit ``rank``, ``world_size``, ``local_rank`` or ``local_world_size``
+            that is not an int (bool and float refused; numpy integers accepted).
         ValueError: only one of ``rank``/``world_size`` given, a variable that is not an integer
             (``MASTER_PORT`` included), or values out of range (e.g. ``RANK`` >= ``WORLD_SIZE``).
     """
@@ -218,3 +234,26 @@ def cpus_per_local_process(local_world_size: int) -> float:
     getaffinity = getattr(os, "sched_getaffinity", None)
     cores = len(getaffinity(0)) if getaffinity is not None else (os.cpu_count() or 1)
     return cores / local_world_size
+
+
+def check_launch_matches_mpi(world: Any, launch: LaunchInfo) -> None:
+    """Raise RuntimeError, on every rank of ``world``, when any rank's ``launch`` (explicit
+    arguments or a launcher's environment) disagrees with MPI's own rank and size.
+
+    ``world`` is ``mpi4py.MPI.COMM_WORLD`` (passed in: this module imports no MPI). The ranks
+    agree first (one blocking all-gather, as the collectives that follow are): a rank whose
+    settings happen to match MPI's would otherwise go on into the next collective and wait
+    forever for the rank that raised (e.g. ``rank=0, world_size=2`` passed on every rank).
+    """
+    mine = (world.Get_rank(), world.Get_size(), launch.rank, launch.world_size)
+    views = [mine] if mine[1] == 1 else world.allgather(mine)
+    wrong = [v for v in views if (v[0], v[1]) != (v[2], v[3])]
+    if wrong:
+        details = "; ".join(f"MPI rank {m} of {n}: {launch.launcher.value} settings say "
+                            f"rank {r} of {w}" for m, n, r, w in wrong[:4])
+        more = f" (and {len(wrong) - 4} more ranks)" if len(wrong) > 4 else ""
+        raise RuntimeError(
+            f"the launch settings disagree with MPI on {len(wrong)} of {len(views)} ranks: "
+            f"{details}{more}; start the job with mpiexec/mpirun (or srun with MPI) and let "
+            "gradcomm take rank and world_size from MPI"
+        )

@@ -26,10 +26,19 @@ _hook_installed = False
 def abort_on_error_enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``GRADCOMM_MPI_ABORT_ON_ERROR`` allows the abort hook (default: yes).
 
-    ``0``, ``false``, ``no`` and ``off`` (any case) turn it off; anything else leaves it on.
+    ``0``, ``false``, ``no`` and ``off`` (any case) turn it off; unset, empty, ``1``, ``true``,
+    ``yes`` and ``on`` leave it on.
+
+    Raises:
+        ValueError: any other value (a typo must not silently leave a job to hang).
     """
     env = os.environ if env is None else env
-    return env.get(ABORT_ENV_VAR, "1").strip().lower() not in {"0", "false", "no", "off"}
+    raw = env.get(ABORT_ENV_VAR, "").strip().lower()
+    if raw in {"", "1", "true", "yes", "on"}:
+        return True
+    if raw in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{ABORT_ENV_VAR} must be 1/true/yes/on or 0/false/no/off, got {raw!r}")
 
 
 def install_abort_hook() -> bool:

@@ -20,7 +20,7 @@ import socket
 
 import torch.distributed as dist
 
-from .launcher import LaunchInfo
+from .launcher import LaunchInfo, check_launch_matches_mpi
 from .mpi_abort import abort_on_error_enabled, install_abort_hook
 
 __all__ = ["create_store"]
@@ -50,11 +50,7 @@ def _store_via_mpi(launch: LaunchInfo, timeout: datetime.timedelta) -> dist.Stor
     if abort_on_error_enabled():
         install_abort_hook()  # MPI is initialised now: a dead rank must not hang MPI_Finalize
     comm = MPI.COMM_WORLD
-    if comm.Get_size() != launch.world_size or comm.Get_rank() != launch.rank:
-        raise RuntimeError(
-            f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the launcher's environment "
-            f"says {launch.rank} of {launch.world_size}"
-        )
+    check_launch_matches_mpi(comm, launch)  # on every rank alike, before the broadcast below
     store: dist.Store | None = None
     address: tuple[str, int] | None = None
     error: str | None = None

@@ -116,9 +116,12 @@ def init(
         A :class:`~gradcomm.comm.Communicator`; use it as a context manager or call ``close()``.
 
     Raises:
-        TypeError: ``env`` is not a mapping of strings to strings.
-        ValueError: unknown backend name (the message lists the known ones), bad timeout or
-            ranks, or a ``GRADCOMM_PROFILE`` value that is neither on nor off.
+        TypeError: ``env`` is not a mapping of strings to strings; ``rank``, ``world_size`` or
+            ``local_rank`` not an int (bool and float refused); ``device`` not a str or
+            ``torch.device``.
+        ValueError: unknown backend name (the message lists the known ones), bad timeout,
+            ranks out of range, a device string torch does not know, or a ``GRADCOMM_PROFILE``
+            value that is neither on nor off.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed.
@@ -129,6 +132,13 @@ def init(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
     ):
         raise TypeError(f"env must be a mapping of str to str (like os.environ), got {env!r}")
+    if device is not None:  # checked at the edge, before any rendezvous
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+        try:
+            device = torch.device(device)
+        except RuntimeError as exc:  # torch's message lists the device types it knows
+            raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
     choice = select_backend(backend, env)
     seconds = resolve_timeout(timeout, env)
     launch: LaunchInfo = detect_launch(env, rank=rank, world_size=world_size, local_rank=local_rank)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -150,12 +151,17 @@ class Work(abc.ABC):
                 error says so).
 
         Raises:
+            TypeError: ``timeout`` is not a real number (or is a bool).
             ValueError: ``timeout`` is negative or NaN.
             CollectiveTimeoutError: not complete within the timeout (a RuntimeError subclass).
             RuntimeError: the transport failed (e.g. a peer closed its connection).
             Exception: whatever a callback added with :meth:`add_callback` raised.
         """
-        limit = self.timeout if timeout is None else timeout
+        given: object = timeout  # annotated float, but callers pass anything
+        if given is not None and (isinstance(given, bool) or not isinstance(given, numbers.Real)):
+            raise TypeError(f"timeout must be a number of seconds or None, got "
+                            f"{type(timeout).__name__} {timeout!r}")
+        limit = self.timeout if timeout is None else float(timeout)
         if limit is not None and not 0.0 <= limit < _INF:  # negative, NaN or +inf
             if limit != _INF:
                 raise ValueError(f"timeout must be >= 0 seconds, got {limit}")

@@ -114,6 +114,13 @@ def main() -> None:
             checks += 1
         else:
             sys.exit(f"rank {r}: all_reduce({bad.device}, {bad.layout}) did not raise {kind}")
+    for kwargs in ({"async_op": "no"}, {"label": 5}):  # not the shortcut: the general path's check
+        try:
+            comm.all_reduce(base.clone(), **kwargs)  # type: ignore[arg-type]
+        except TypeError:
+            checks += 1
+        else:
+            sys.exit(f"rank {r}: all_reduce(..., {kwargs}) did not raise TypeError")
     comm.close()
     try:
         comm.all_reduce(base.clone())

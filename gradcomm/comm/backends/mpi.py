@@ -73,7 +73,7 @@ import torch
 
 from ..communicator import Communicator, flat_bytes
 from ..errors import BackendUnavailableError
-from ..launcher import Launcher, LaunchInfo, cpus_per_local_process
+from ..launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
 from ..mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import Description, DescriptionLike, Work
@@ -350,12 +350,13 @@ class MPICommunicator(Communicator):
             raise BackendUnavailableError(
                 "the mpi backend was asked for CUDA tensors, but torch.cuda.is_available() is False"
             )
+        abort_on_error = abort_on_error_enabled()  # a bad value raises before any collective
         world = MPI.COMM_WORLD
         mpi_size = world.Get_size()
         if launch.launcher is Launcher.SINGLE and mpi_size > 1:
             launch = self._launch_from_mpi(world)
         else:
-            self._check_launch_matches_mpi(world, launch)
+            check_launch_matches_mpi(world, launch)
         index: int | None = dev.index
         if dev.type == "cuda" and index is None:
             dev = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
@@ -381,31 +382,8 @@ class MPICommunicator(Communicator):
 
             self._cuda_aware, self._cuda_reason = mpi_device.cuda_aware_mpi()
             self._adapter = mpi_device.DeviceBufferAdapter(self._cuda_aware)
-        if launch.world_size > 1 and abort_on_error_enabled():
+        if launch.world_size > 1 and abort_on_error:
             install_abort_hook()
-
-    @staticmethod
-    def _check_launch_matches_mpi(world: MPIModule.Intracomm, launch: LaunchInfo) -> None:
-        """Raise RuntimeError, on every rank of ``world``, when any rank's ``launch`` (explicit
-        arguments or a launcher's environment) disagrees with MPI's own rank and size.
-
-        The ranks agree first (one blocking all-gather on ``COMM_WORLD``, as the ``Dup`` that
-        follows is): a rank whose settings happen to match MPI's would otherwise go on into that
-        ``Dup`` and wait forever for the rank that raised (e.g. ``rank=0, world_size=2`` passed
-        on every rank).
-        """
-        mine = (world.Get_rank(), world.Get_size(), launch.rank, launch.world_size)
-        views = [mine] if mine[1] == 1 else world.allgather(mine)
-        wrong = [v for v in views if (v[0], v[1]) != (v[2], v[3])]
-        if wrong:
-            details = "; ".join(f"MPI rank {m} of {n}: {launch.launcher.value} settings say "
-                                f"rank {r} of {w}" for m, n, r, w in wrong[:4])
-            more = f" (and {len(wrong) - 4} more ranks)" if len(wrong) > 4 else ""
-            raise RuntimeError(
-                f"the launch settings disagree with MPI on {len(wrong)} of {len(views)} ranks: "
-                f"{details}{more}; start the job with mpiexec/mpirun (or srun with MPI) and let "
-                "the mpi backend take rank and world_size from MPI"
-            )
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:
@@ -521,7 +499,9 @@ class MPICommunicator(Communicator):
         cost microseconds each (``benchmarks/call_overhead.py``).
         Every other call, including every one that raises, takes the general path.
         """
-        if (op is ReduceOp.SUM and self.profiler is None and self._adapter is None
+        if (op is ReduceOp.SUM and async_op.__class__ is bool
+                and (label is None or label.__class__ is str)
+                and self.profiler is None and self._adapter is None
                 and not self._inflight and self._stalled is None and not self._closed
                 and isinstance(tensor, torch.Tensor) and tensor.dtype in _SHORTCUT_DTYPES
                 and tensor.layout is torch.strided):
