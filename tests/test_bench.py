@@ -173,6 +173,8 @@ def test_json_files_without_plot_is_a_usage_error(tmp_path: Path) -> None:
     "args", [["-d", "complex64"], ["-o", "mean"], ["--backend", "nosuch"], ["-b", "1Q"],
              ["-b", "64", "-e", "8"], ["-f", "1"], ["-n", "0"], ["--device", "nosuch"],
              ["--device", "meta"], ["-d", "int32", "-o", "avg"], ["--timeout", "0"],
+             ["-f", "nan"], ["-f", "inf"], ["--json", "/nonexistent/dir/r.json"],
+             ["--csv", "/nonexistent/dir/r.csv"], ["--backend", "gloo", "--device", "cuda"],
              pytest.param(["--backend", "nccl"], marks=pytest.mark.skipif(
                  torch.cuda.is_available(), reason="nccl is usable where CUDA is"))],
 )

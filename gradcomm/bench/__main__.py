@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import sys
@@ -85,8 +86,11 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("need --iters >= 1, --repeats >= 1 and --warmup >= 0")
     if args.minbytes < 1 or args.maxbytes < args.minbytes:
         p.error("need 1 <= --minbytes <= --maxbytes")
-    if args.stepfactor <= 1:
-        p.error("--stepfactor must be > 1")
+    if not 1 < args.stepfactor < math.inf:  # NaN fails too
+        p.error(f"--stepfactor must be a finite number > 1, got {args.stepfactor}")
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if path is not None and not path.resolve().parent.is_dir():  # before the sweep, not after
+            p.error(f"{flag} {path}: the folder {path.resolve().parent} does not exist")
     if args.device is not None:
         import torch
 
@@ -140,11 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep (or, given JSON files, only plot them); return the exit status.
 
     Usage errors -- an unknown dtype, op or backend, ``--op avg`` on integers, a bad
-    ``--timeout``, a backend whose package or GPU is missing, ``--plot`` without matplotlib --
-    exit with status 2 and argparse's message on every rank, before any rendezvous.
-
-    Raises:
-        ValueError: a ``--device`` the backend cannot use (known only once it is built).
+    ``--timeout`` or ``--stepfactor``, an output folder that does not exist, a backend whose
+    package or GPU is missing, a ``--device`` the backend cannot use, ``--plot`` without
+    matplotlib -- exit with status 2 and argparse's message on every rank, before any
+    collective.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -206,7 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"# time: max over ranks of the {args.stat} per call over {args.repeats} rounds; "
         "busbw = algbw * 2(n-1)/n (nccl-tests)")
     for name in backends:
-        comm = gc.init(name, timeout=args.timeout, device=args.device)
+        try:
+            comm = gc.init(name, timeout=args.timeout, device=args.device)
+        except ValueError as exc:  # e.g. --device cuda for gloo: raised before any rendezvous
+            parser.error(str(exc))
         if args.device is not None and comm.device.type != torch.device(args.device).type:
             comm.close()  # every rank gets here alike: a usage error, not a hang
             parser.error(f"the {name} backend works on {comm.device.type}, not --device "
