@@ -175,6 +175,7 @@ def test_json_files_without_plot_is_a_usage_error(tmp_path: Path) -> None:
              ["--device", "meta"], ["-d", "int32", "-o", "avg"], ["--timeout", "0"],
              ["-f", "nan"], ["-f", "inf"], ["--json", "/nonexistent/dir/r.json"],
              ["--csv", "/nonexistent/dir/r.csv"], ["--backend", "gloo", "--device", "cuda"],
+             ["--json", "/tmp"],
              pytest.param(["--backend", "nccl"], marks=pytest.mark.skipif(
                  torch.cuda.is_available(), reason="nccl is usable where CUDA is"))],
 )

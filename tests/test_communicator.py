@@ -553,7 +553,7 @@ def test_async_op_label_and_wait_timeout_are_type_checked() -> None:
     for call in (lambda: comm.all_reduce(t, async_op="no"),  # type: ignore[arg-type]
                  lambda: comm.broadcast(t, async_op=1),  # type: ignore[arg-type]
                  lambda: comm.all_gather(torch.empty(2), t, async_op=None)):  # type: ignore
-        with pytest.raises(TypeError, match="async_op must be a bool"):
+        with pytest.raises(TypeError, match="async_op must be a Python bool"):
             call()
     with pytest.raises(TypeError, match="label must be a str or None"):
         comm.all_reduce(t, label=5)  # type: ignore[arg-type]

@@ -1181,7 +1181,19 @@ def test_parameter_frozen_on_one_rank_after_wrapping_raises_on_every_rank() -> N
     assert isinstance(other_error, gradcomm.CollectiveTimeoutError)  # its peer stopped: no hang
 
 
-@pytest.mark.parametrize("how", ["identity", "del", "nested"])
+class _TwoPaths(nn.Module):
+    """``proj`` registered first, and used through its second registration, ``blocks.0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.blocks = nn.Sequential(self.proj, nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+@pytest.mark.parametrize("how", ["identity", "del", "nested", "second_path"])
 def test_submodule_replaced_or_deleted_on_one_rank_raises_on_every_rank(how: str) -> None:
     # The replaced submodule's own parameter table still held its parameters, so replacing fc2 by
     # a module without parameters (or deleting it) passed the check: rank 1 trained another model
@@ -1190,6 +1202,8 @@ def test_submodule_replaced_or_deleted_on_one_rank_raises_on_every_rank(how: str
         if how == "nested":
             model: nn.Module = nn.Sequential(
                 nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), nn.Linear(3, 1))
+        elif how == "second_path":  # one Linear registered twice; forward uses the second path
+            model = _TwoPaths()
         else:
             model = eval_bn(make_model())
         GradientReducer(model, comm)
@@ -1198,17 +1212,19 @@ def test_submodule_replaced_or_deleted_on_one_rank_raises_on_every_rank(how: str
                 model.fc2 = nn.Identity()
             elif how == "del":
                 del model.fc2  # Net.forward would fail on it: the check must come first
-            else:
+            elif how == "nested":
                 cast(nn.Sequential, model[0])[1] = nn.Identity()
-        if how == "nested":
+            else:
+                cast(_TwoPaths, model).blocks[0] = nn.Identity()
+        if how in ("nested", "second_path"):
             model(torch.ones(2, 3)).sum().backward()
         else:
             loss_fn(model, *batch(comm.rank)).backward()
 
     other_error, changed_rank_error = run_ranks(2, fn, timeout=1.0)
-    name = "0.1" if how == "nested" else "fc2"
+    name = {"nested": "0.1", "second_path": "blocks.0"}.get(how, "fc2")
     assert isinstance(changed_rank_error, RuntimeError), changed_rank_error
-    assert f"submodule {name} was replaced or deleted" in str(changed_rank_error)
+    assert f"submodule {name} was replaced, moved or deleted" in str(changed_rank_error)
     assert isinstance(other_error, gradcomm.CollectiveTimeoutError)  # its peer stopped: no hang
 
 

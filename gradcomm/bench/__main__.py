@@ -89,6 +89,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not 1 < args.stepfactor < math.inf:  # NaN fails too
         p.error(f"--stepfactor must be a finite number > 1, got {args.stepfactor}")
     for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if path is not None and path.is_dir():
+            p.error(f"{flag} {path} is a folder; give a file name")
         if path is not None and not path.resolve().parent.is_dir():  # before the sweep, not after
             p.error(f"{flag} {path}: the folder {path.resolve().parent} does not exist")
     if args.device is not None:

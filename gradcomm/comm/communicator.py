@@ -50,7 +50,10 @@ def _check_call_args(async_op: object, label: object = None) -> None:
     """TypeError unless ``async_op`` is a bool and ``label`` a str or None (a truthy string such as
     ``"no"`` would otherwise silently make the call asynchronous)."""
     if async_op.__class__ is not bool:
-        raise TypeError(f"async_op must be a bool, got {type(async_op).__name__} {async_op!r}")
+        kind = type(async_op)  # numpy.bool prints as "bool": name its module too
+        name = (kind.__name__ if kind.__module__ == "builtins"
+                else f"{kind.__module__}.{kind.__name__}")
+        raise TypeError(f"async_op must be a Python bool (True or False), got {name} {async_op!r}")
     if label is not None and not isinstance(label, str):
         raise TypeError(f"label must be a str or None, got {type(label).__name__}")
 

@@ -16,7 +16,9 @@ How one backward pass is reduced (the algorithm of torch DDP's reducer, in Pytho
    (one pass; an in-place gradient is divided where it lies) and marks it ready. When every
    parameter of the lowest-index bucket not yet launched is ready, that bucket's comm hook (an
    async all-reduce by default) is started; buckets are launched strictly in index order, so
-   every rank issues the same collectives in the same order.
+   every rank issues the same collectives in the same order. The last shared bucket (when there
+   is no in-place one) is left to the end-of-backward callback, so that a backward that fails
+   after its last parameter hook still has a bucket to send marked as failed.
 3. The first hook of a backward pass queues one end-of-backward callback on the autograd engine. It
    launches the remaining buckets (parameters with no gradient on this rank count as zeros), waits
    for every bucket in order, post-divides and writes the averages back, so ``optimizer.step()``
@@ -611,6 +613,15 @@ class GradientReducer:
         # one all-reduce at the end of each synchronised backward pass: float32, which every
         # transport reduces natively and which counts ranks exactly.
         self._in_place = [b for b in self._buckets if b.in_place]
+        # Hooks launch the shared buckets below this index; the rest go at the end of backward.
+        # At least one bucket always waits for the end-of-backward callback (the last shared one
+        # when there is no in-place bucket), so a backward that raises after its last parameter
+        # hook (a parameter-free branch that runs last, a read-only user hook registered after
+        # the reducer's) still has a bucket to send marked as failed (see _abort_epoch), and the
+        # other ranks learn of the failure. Costs nothing where the last gradient is among the
+        # last things backward computes (the first layer's weight, as usual).
+        shared = len(self._buckets) - len(self._in_place)
+        self._hook_launch_limit = shared if self._in_place else max(shared - 1, 0)
         self._presence = torch.zeros(
             len(self._in_place), dtype=torch.float32,
             device=self._in_place[0].device if self._in_place else None,
@@ -788,26 +799,33 @@ class GradientReducer:
 
     def _ownership(self) -> tuple[list[_Entry], list[_Entry]]:
         """What the forward check compares by identity: each reduced parameter in its module's
-        ``_parameters`` table, and each submodule on the path from the root to such a module in
-        its parent's ``_modules`` table (the first path, as ``named_modules`` walks), so that a
-        submodule replaced by one without parameters, or deleted, is noticed too (the replaced
-        module's own table still holds its parameters)."""
+        ``_parameters`` table, and each submodule on a path from the root to such a module in
+        its parent's ``_modules`` table -- every path, for a submodule registered in two places
+        -- so that a submodule replaced by one without parameters, moved or deleted is noticed
+        too (the replaced module's own table still holds its parameters)."""
         assert self._module is not None
         owners: list[_Entry] = []
         links: list[_Entry] = []
         watched = {id(p) for p in self._params}
-        modules = dict(self._module.named_modules())
+        paths = list(self._module.named_modules(remove_duplicate=False))
+        by_path = dict(paths)
+        seen: set[int] = set()
         on_path: set[str] = set()
-        for mname, m in modules.items():
-            prefix = f"{mname}." if mname else ""
-            for local, p in m._parameters.items():
-                if p is not None and id(p) in watched:
-                    owners.append((f"parameter {prefix}{local}", m._parameters, local, p))
-                    parts = mname.split(".") if mname else []
-                    on_path.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+        for mname, m in paths:
+            params = [(local, p) for local, p in m._parameters.items()
+                      if p is not None and id(p) in watched]
+            if not params:
+                continue
+            if id(m) not in seen:
+                seen.add(id(m))
+                prefix = f"{mname}." if mname else ""
+                owners += [(f"parameter {prefix}{local}", m._parameters, local, p)
+                           for local, p in params]
+            parts = mname.split(".") if mname else []
+            on_path.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
         for path in sorted(on_path):
             parent, _, local = path.rpartition(".")
-            links.append((f"submodule {path}", modules[parent]._modules, local, modules[path]))
+            links.append((f"submodule {path}", by_path[parent]._modules, local, by_path[path]))
         # Buffers are not watched: they have no gradient, and broadcast_buffers reads them
         # afresh each forward, so a buffer reassigned (``self.avg = 0.9 * self.avg + ...``)
         # is simply picked up.
@@ -858,10 +876,10 @@ class GradientReducer:
         for what, table, local, obj in self._links:
             if table.get(local) is not obj:
                 raise RuntimeError(
-                    f"{what} was replaced or deleted on the module after the GradientReducer was "
-                    "built, so this rank no longer trains the parameters the reducer averages "
-                    "(ranks would train different models); change the model before wrapping it, "
-                    "or call reducer.remove() and build a new GradientReducer"
+                    f"{what} was replaced, moved or deleted on the module after the "
+                    "GradientReducer was built, so this rank may no longer train the parameters "
+                    "the reducer averages (ranks would train different models); change the model "
+                    "before wrapping it, or call reducer.remove() and build a new GradientReducer"
                 )
         if changed:
             self._watch_entries(named)  # only frozen parameters came: watch them too
@@ -1279,7 +1297,8 @@ class GradientReducer:
         # behind a collective that timed out would each time out in turn (MPI cannot cancel
         # them), so a hang would take one full timeout per bucket in flight to surface instead
         # of one.
-        if wait and self._failed is None:
+        failed_here = wait and self._failed is None
+        if failed_here:
             self._send_rest_as_failed()
         if wait:
             works = [(b.work, b.label()) for b in self._buckets[: self._next]]
@@ -1292,6 +1311,14 @@ class GradientReducer:
                         logger.warning("GradientReducer: %s failed while aborting: %s; not "
                                        "waiting for the buckets after it", label, exc)
                         break
+        if failed_here and self._view:
+            # The views are param.grad: what the pass's buckets hold now (partial sums, NaN-flagged
+            # data) arrived after the error, perhaps after the caller's zero_grad(set_to_none=
+            # False), and would be added to the next step's gradients. The step failed: zero them.
+            with torch.no_grad():
+                for b in self._buckets:
+                    if not b.in_place:
+                        b.data.zero_()
         self._reset_epoch()
 
 
@@ -1337,8 +1364,8 @@ def _on_grad_ready(ref: _ReducerRef, pid: int, param: torch.Tensor) -> None:
     if reducer._overlap and bucket.pending == 0 and bidx == reducer._next:
         try:
             buckets = reducer._buckets
-            while (reducer._next < len(buckets) and buckets[reducer._next].pending == 0
-                   and not buckets[reducer._next].in_place):  # those go at the end of backward
+            while (reducer._next < reducer._hook_launch_limit
+                   and buckets[reducer._next].pending == 0):  # the rest go at the end of backward
                 reducer._launch(buckets[reducer._next])
                 reducer._next += 1
         except BaseException as exc:

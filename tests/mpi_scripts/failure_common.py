@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -755,23 +756,46 @@ def _chain_x(rank: int) -> torch.Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(95 + rank))
 
 
+_RAISED_MODES: dict[str, tuple[dict[str, Any], str]] = {
+    # mode: (reducer options, where rank 1's backward raises)
+    "shared": ({"in_place_min_mb": math.inf}, "first layer"),
+    "in_place": ({"in_place_min_mb": 0.0}, "first layer"),
+    # after the reducer's hook for the last gradient: a read-only user hook registered later
+    "after_last_hook": ({"in_place_min_mb": math.inf}, "after last"),
+    # the views are param.grad and zero_grad(set_to_none=False) zeroes them in place, before
+    # the next forward sends the rest of the failed pass
+    "view_keep_grads": ({"in_place_min_mb": math.inf, "gradient_as_bucket_view": True},
+                        "first layer"),
+}
+
+
 def run_raised_on_one_rank(comm: gradcomm.Communicator) -> Result:
-    """Rank 1's backward raises after two of three one-weight buckets were sent (a hook of the
-    user's on the first layer); every rank treats an error from backward alike and redoes the
-    step. Before, rank 1's redo paired its buckets with the others' waiting third bucket: wrong
-    values with no error (MPI), or a size-mismatch abort (gloo)."""
+    """Rank 1's backward raises (a hook of the user's) after some one-weight buckets were sent
+    -- or, in ``after_last_hook``, after the reducer's hook for the last gradient; every rank
+    treats an error from backward alike and redoes the step. Before, rank 1's redo paired its
+    buckets with the others' waiting ones: wrong values with no error (MPI), or a size-mismatch
+    abort (gloo); a failure after the last hook reached no other rank at all."""
     out = {}
-    for mode, in_place in (("shared", math.inf), ("in_place", 0.0)):
+    for mode, (options, where) in _RAISED_MODES.items():
         model = _chain()
         reducer = GradientReducer(model, comm, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6,
-                                  in_place_min_mb=in_place)
+                                  **options)
+        keep = "gradient_as_bucket_view" in options
         errors = []
         for attempt in range(2):
-            model.zero_grad()
+            model.zero_grad(set_to_none=not keep)
             handle = None
             if comm.rank == 1 and attempt == 0:
-                handle = model[0].weight.register_hook(
-                    lambda g: (_ for _ in ()).throw(KeyError("user hook failed")))
+                def fail(*_: Any) -> None:
+                    raise KeyError("user hook failed")
+
+                w = model[0].weight
+                handle = (w.register_hook(fail) if where == "first layer"
+                          else w.register_post_accumulate_grad_hook(fail))
+            elif comm.rank == 0 and attempt == 0:
+                # Rank 0 sends the second layer's bucket late, so that rank 1's copy of it is
+                # still in flight when rank 1 fails, catches, calls zero_grad and runs forward.
+                handle = model[1].weight.register_hook(lambda g: time.sleep(0.3))
             err = error_of(lambda m=model: m(_chain_x(comm.rank)).pow(2).mean().backward())
             if err is not None:
                 errors.append(err)
@@ -788,7 +812,7 @@ def verify_raised_on_one_rank(results: list[Result], world_size: int) -> Problem
     ref_model(x).pow(2).mean().backward()
     ref = {n: p.grad for n, p in ref_model.named_parameters()}
     problems = []
-    for mode in ("shared", "in_place"):
+    for mode in _RAISED_MODES:
         for rank, r in enumerate(results):
             errors = r[mode]["errors"]
             want = "user hook failed" if rank == 1 else "raised on another rank"
