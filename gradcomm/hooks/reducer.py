@@ -666,6 +666,14 @@ class GradientReducer:
         ]
         if self._module is not None:
             self._handles.append(self._module.register_forward_pre_hook(_ForwardPreHook(self)))
+        elif self._view:
+            # Without a module there is no forward hook to notice a failed backward before the
+            # next one; in view mode autograd would then add the first new gradient into its view
+            # before the reducer's hook sends the failed pass's rest and zeroes the views (with
+            # zero_grad(set_to_none=False) the gradients are the views). A hook that runs before
+            # accumulation notices it first.
+            self._handles += [p.register_hook(partial(_before_accumulate, ref))
+                              for p in self._params]
         logger.debug("GradientReducer: %d params in %d buckets on %s", len(self._params),
                      len(self._buckets), comm)
 
@@ -1320,6 +1328,14 @@ class GradientReducer:
                     if not b.in_place:
                         b.data.zero_()
         self._reset_epoch()
+
+
+def _before_accumulate(ref: _ReducerRef, grad: torch.Tensor) -> None:
+    """Tensor hook (before accumulation) of a parameter-list reducer in view mode: send the rest
+    of a failed backward pass before autograd adds the new gradient into a view (see __init__)."""
+    reducer = ref()
+    if reducer is not None and reducer._epoch_active and reducer._token() is None:
+        reducer._discard_if_stale()
 
 
 def _on_grad_ready(ref: _ReducerRef, pid: int, param: torch.Tensor) -> None:

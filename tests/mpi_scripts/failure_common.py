@@ -766,6 +766,9 @@ _RAISED_MODES: dict[str, tuple[dict[str, Any], str]] = {
     # the next forward sends the rest of the failed pass
     "view_keep_grads": ({"in_place_min_mb": math.inf, "gradient_as_bucket_view": True},
                         "first layer"),
+    # the same with a reducer built from parameters: no forward hook notices the failed pass
+    "view_keep_grads_params": ({"in_place_min_mb": math.inf, "gradient_as_bucket_view": True},
+                               "first layer"),
 }
 
 
@@ -778,7 +781,8 @@ def run_raised_on_one_rank(comm: gradcomm.Communicator) -> Result:
     out = {}
     for mode, (options, where) in _RAISED_MODES.items():
         model = _chain()
-        reducer = GradientReducer(model, comm, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6,
+        wrapped = list(model.named_parameters()) if mode.endswith("_params") else model
+        reducer = GradientReducer(wrapped, comm, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6,
                                   **options)
         keep = "gradient_as_bucket_view" in options
         errors = []
