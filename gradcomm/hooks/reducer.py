@@ -80,6 +80,14 @@ _EMPTY, _DIVIDED, _IN_VIEW = 0, 1, 2
 _PRESENCE_LABEL = "presence flags of the in-place gradients"
 
 
+def _first_changed(entries: list[_Entry]) -> str | None:
+    """The ``what`` of the first entry whose table no longer holds its object, else None."""
+    for what, table, local, obj in entries:
+        if table.get(local) is not obj:
+            return what
+    return None
+
+
 def _has_nan(flags: list[Any]) -> bool:
     """Whether summed presence flags carry a NaN: a rank sent the bucket as failed."""
     return any(f != f for f in flags)
@@ -856,13 +864,13 @@ class GradientReducer:
                     "for that; convert the model before wrapping it, or call reducer.remove() and "
                     "build a new GradientReducer"
                 )
-        for what, table, local, obj in self._owners:
-            if table.get(local) is not obj:
-                raise RuntimeError(
-                    f"{what} was replaced on the module after the GradientReducer was built, so "
-                    "its gradient would not be reduced (ranks would drift apart); change the model "
-                    "before wrapping it, or call reducer.remove() and build a new GradientReducer"
-                )
+        what = _first_changed(self._owners)
+        if what is not None:
+            raise RuntimeError(
+                f"{what} was replaced on the module after the GradientReducer was built, so "
+                "its gradient would not be reduced (ranks would drift apart); change the model "
+                "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+            )
         if self._module is None or self._watch is None:
             return
         # A parameter unfrozen, or a submodule or parameter added or replaced, after wrapping: its
@@ -881,14 +889,14 @@ class GradientReducer:
                     self._raise_unreduced(name)
         # A submodule on the way to reduced parameters replaced without new trainable ones (by
         # nn.Identity(), a frozen copy) or deleted (``del``, which no registration hook sees).
-        for what, table, local, obj in self._links:
-            if table.get(local) is not obj:
-                raise RuntimeError(
-                    f"{what} was replaced, moved or deleted on the module after the "
-                    "GradientReducer was built, so this rank may no longer train the parameters "
-                    "the reducer averages (ranks would train different models); change the model "
-                    "before wrapping it, or call reducer.remove() and build a new GradientReducer"
-                )
+        what = _first_changed(self._links)
+        if what is not None:
+            raise RuntimeError(
+                f"{what} was replaced, moved or deleted on the module after the "
+                "GradientReducer was built, so this rank may no longer train the parameters "
+                "the reducer averages (ranks would train different models); change the model "
+                "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+            )
         if changed:
             self._watch_entries(named)  # only frozen parameters came: watch them too
             self._watch.changed = False
@@ -1102,9 +1110,20 @@ class GradientReducer:
                 else:
                     buf.copy_(g)
             b.flags.fill_(1.0 if g is not None else 0.0)
+        self._send_in_place(b, buf)
+
+    def _send_in_place(self, b: _Bucket, buf: torch.Tensor) -> None:
+        """Send in-place bucket ``b`` with ``buf`` (the gradient, or a tensor in its stead)."""
         b.buffer = buf
         self._send(b, GradBucket(b.index, buf.view(-1), b.numel, b.params, b.names,
                                  b.index == len(self._buckets) - 1, in_place=True))
+
+    def _send_presence(self) -> None:
+        """Post the in-place buckets' presence flags, once per backward pass (if there are any)."""
+        if self._in_place and self._presence_work is None:
+            self._presence_work = self._comm.all_reduce(
+                self._presence, async_op=True, label=_PRESENCE_LABEL
+            )
 
     def _send(self, b: _Bucket, grad_bucket: GradBucket) -> None:
         b.grad_bucket = grad_bucket
@@ -1121,10 +1140,7 @@ class GradientReducer:
             while self._next < len(self._buckets):
                 self._launch(self._buckets[self._next])
                 self._next += 1
-            if self._in_place and self._presence_work is None:
-                self._presence_work = self._comm.all_reduce(
-                    self._presence, async_op=True, label=_PRESENCE_LABEL
-                )
+            self._send_presence()
             failed_elsewhere: str | None = None  # a bucket another rank sent as failed
             for b in self._buckets:
                 assert b.work is not None
@@ -1276,21 +1292,16 @@ class GradientReducer:
                     b = self._buckets[self._next]
                     if b.in_place:  # zeros: the gradient in param.grad is left alone
                         p = b.params[0]
-                        b.buffer = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-                        grad_bucket = GradBucket(b.index, b.buffer.view(-1), b.numel, b.params,
-                                                 b.names, b.index == len(self._buckets) - 1,
-                                                 in_place=True)
+                        self._send_in_place(b, torch.zeros(p.shape, dtype=p.dtype,
+                                                           device=p.device))
                     else:
                         assert b.grad_bucket is not None
                         b.flags.fill_(nan)
-                        grad_bucket = b.grad_bucket
-                    self._send(b, grad_bucket)
+                        self._send(b, b.grad_bucket)
                     self._next += 1
-                if self._in_place and self._presence_work is None:
+                if self._presence_work is None:  # not posted yet: it can still carry the mark
                     self._presence.fill_(nan)
-                    self._presence_work = self._comm.all_reduce(
-                        self._presence, async_op=True, label=_PRESENCE_LABEL
-                    )
+                self._send_presence()
         except Exception as exc:  # noqa: BLE001 - already failing; wait for what went out
             logger.warning("GradientReducer: sending the rest of a failed backward pass failed: "
                            "%s", exc)
