@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from .comm.communicator import Communicator
+from .comm.env_flag import env_flag
 
 __all__ = [
     "PROFILE_ENV",
@@ -75,8 +76,6 @@ PROFILE_ENV = "GRADCOMM_PROFILE"
 #: Directory the ``GRADCOMM_PROFILE=1`` traces go to (default: the current working directory).
 PROFILE_DIR_ENV = "GRADCOMM_PROFILE_DIR"
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
 _trace_ids = itertools.count()  # distinct file names for several env-profiled comms per process
 
 
@@ -455,17 +454,13 @@ def profile(
 def profile_requested(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``GRADCOMM_PROFILE`` (in ``env``, default os.environ) turns profiling on.
 
+    Unset or empty: off. The words are :func:`gradcomm.comm.env_flag.env_flag`'s.
+
     Raises:
         ValueError: it is set to something that is neither on (1/true/yes/on) nor off
-            (0/false/no/off or empty).
+            (0/false/no/off).
     """
-    env = os.environ if env is None else env
-    raw = env.get(PROFILE_ENV, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{PROFILE_ENV} must be 1/true/yes/on or 0/false/no/off, got {raw!r}")
+    return env_flag(PROFILE_ENV, False, env)
 
 
 def attach_from_env(comm: Communicator, env: Mapping[str, str] | None = None) -> Profiler | None:

@@ -83,7 +83,7 @@ def test_env_override(value: str, expected: bool) -> None:
 
 
 def test_env_override_rejects_other_values() -> None:
-    with pytest.raises(ValueError, match="GRADCOMM_MPI_CUDA_AWARE must be 0 or 1"):
+    with pytest.raises(ValueError, match="GRADCOMM_MPI_CUDA_AWARE must be one of 1/true/yes/on"):
         cuda_aware_mpi({"GRADCOMM_MPI_CUDA_AWARE": "maybe"})
 
 

@@ -8,12 +8,13 @@ Set ``GRADCOMM_MPI_ABORT_ON_ERROR=0`` to opt out.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Mapping
 from types import TracebackType
+
+from .env_flag import env_flag
 
 __all__ = ["ABORT_ENV_VAR", "abort_on_error_enabled", "install_abort_hook"]
 
@@ -32,13 +33,7 @@ def abort_on_error_enabled(env: Mapping[str, str] | None = None) -> bool:
     Raises:
         ValueError: any other value (a typo must not silently leave a job to hang).
     """
-    env = os.environ if env is None else env
-    raw = env.get(ABORT_ENV_VAR, "").strip().lower()
-    if raw in {"", "1", "true", "yes", "on"}:
-        return True
-    if raw in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"{ABORT_ENV_VAR} must be 1/true/yes/on or 0/false/no/off, got {raw!r}")
+    return env_flag(ABORT_ENV_VAR, True, env)
 
 
 def install_abort_hook() -> bool:

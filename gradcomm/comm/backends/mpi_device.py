@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..env_flag import env_flag
 from ..errors import SlowPathWarning
 
 __all__ = [
@@ -47,9 +48,6 @@ log = logging.getLogger("gradcomm.comm.mpi_device")
 
 #: Environment variable that overrides the CUDA-awareness detection (``0`` or ``1``).
 CUDA_AWARE_ENV = "GRADCOMM_MPI_CUDA_AWARE"
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 # Shared-library names of MPI implementations, tried when /proc/self/maps cannot be read.
 _LIBMPI_NAMES = ("libmpi.so.40", "libmpi.so.12", "libmpi.so", "libmpi_ibm.so", "libmpich.so")
@@ -119,13 +117,12 @@ def cuda_aware_mpi(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
         ValueError: ``GRADCOMM_MPI_CUDA_AWARE`` is set to something other than 0/1 (or synonyms).
     """
     env = os.environ if env is None else env
-    raw = env.get(CUDA_AWARE_ENV, "").strip().lower()
-    if raw:
-        if raw in _TRUE:
+    forced = env_flag(CUDA_AWARE_ENV, None, env)
+    if forced is not None:
+        raw = env[CUDA_AWARE_ENV].strip()
+        if forced:
             return True, f"{CUDA_AWARE_ENV}={raw} forces the CUDA-aware path"
-        if raw in _FALSE:
-            return False, f"{CUDA_AWARE_ENV}={raw} forces staging through host memory"
-        raise ValueError(f"{CUDA_AWARE_ENV} must be 0 or 1, got {env[CUDA_AWARE_ENV]!r}")
+        return False, f"{CUDA_AWARE_ENV}={raw} forces staging through host memory"
     if env.get("MPIR_CVAR_ENABLE_GPU", "").strip() == "0":
         return False, "MPIR_CVAR_ENABLE_GPU=0 switches MPICH's GPU support off"
     try:
