@@ -197,6 +197,7 @@ def check_closed(comm: Communicator) -> None:
         lambda: comm.broadcast(t),
         lambda: comm.all_gather(torch.empty(2 * comm.world_size), t),
         comm.barrier,
+        lambda: comm.supports(torch.float32),
     ):
         with pytest.raises(RuntimeError, match="closed"):
             call()

@@ -243,10 +243,14 @@ class Communicator(abc.ABC):
 
         Raises:
             TypeError: ``dtype`` is not a :class:`torch.dtype` (e.g. the string ``"float32"``).
+            RuntimeError: the communicator is closed (its transport may be gone; the answer
+                would describe a communicator that can no longer be used).
         """
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"supports() takes a torch.dtype, got {type(dtype).__name__} "
                             f"{dtype!r} (e.g. torch.float32)")
+        if self._closed:
+            raise RuntimeError(f"{self.backend} communicator is closed")
         return self._supports(dtype, device)
 
     @abc.abstractmethod
