@@ -14,6 +14,7 @@ MPI standard allows before ``MPI_Init``. The CUDA-aware MPI check can ask the li
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -21,12 +22,13 @@ import os
 import platform
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from . import __version__
+from .comm.env_flag import env_flag
 from .comm.launcher import detect_launch
 from .comm.registry import available_backends
 from .comm.selection import resolve_timeout, select_backend
@@ -149,16 +151,13 @@ def collect_info(
     }
     try:
         choice = select_backend(backend, env)
-        status = statuses.get(choice.name)
         report["backend"] = {
             "selected": choice.name, "reason": choice.reason,
-            "available": status is not None and status.available,
-            "error": None if status is not None else (
-                f"unknown backend {choice.name!r}; known: {', '.join(statuses)}"
-            ),
+            "available": statuses[choice.name].available, "error": None,
         }
-    except (TypeError, ValueError) as exc:
-        report["backend"] = {"selected": None, "reason": None, "available": False,
+    except (TypeError, ValueError) as exc:  # e.g. an unknown name: reported, not raised
+        requested = backend if backend is not None else env.get("GRADCOMM_BACKEND", "").strip()
+        report["backend"] = {"selected": requested or None, "reason": None, "available": False,
                              "error": str(exc)}
 
     cuda = _cuda_info()
@@ -180,11 +179,17 @@ def collect_info(
 
 def _env_errors(env: Mapping[str, str]) -> dict[str, str]:
     """What :func:`gradcomm.init` would raise for each bad ``GRADCOMM_*`` value, by variable."""
-    from .profiler import profile_requested  # lazy, as in gradcomm.init
+    from .profiler import profile_requested, trace_dir_from_env  # lazy, as in gradcomm.init
 
     errors = {}
-    for name, check in (("GRADCOMM_TIMEOUT", lambda: resolve_timeout(None, env)),
-                        ("GRADCOMM_PROFILE", lambda: profile_requested(env))):
+    checks: tuple[tuple[str, Callable[[], object]], ...] = (
+        ("GRADCOMM_TIMEOUT", lambda: resolve_timeout(None, env)),
+        ("GRADCOMM_PROFILE", lambda: profile_requested(env)),
+        ("GRADCOMM_PROFILE_DIR", lambda: trace_dir_from_env(env)),
+        *((name, functools.partial(env_flag, name, None, env))
+          for name in ("GRADCOMM_MPI_ABORT_ON_ERROR", "GRADCOMM_MPI_CUDA_AWARE")),
+    )
+    for name, check in checks:
         if env.get(name, "").strip():
             try:
                 check()

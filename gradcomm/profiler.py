@@ -67,6 +67,7 @@ __all__ = [
     "bus_factor",
     "attach_from_env",
     "profile_requested",
+    "trace_dir_from_env",
 ]
 
 logger = logging.getLogger(__name__)
@@ -463,6 +464,27 @@ def profile_requested(env: Mapping[str, str] | None = None) -> bool:
     return env_flag(PROFILE_ENV, False, env)
 
 
+def trace_dir_from_env(env: Mapping[str, str] | None = None) -> Path | None:
+    """The directory ``GRADCOMM_PROFILE_DIR`` names (None when unset or blank).
+
+    Checked by :func:`gradcomm.init` before training starts, not when the trace is written at the
+    end of the job. A directory that does not exist yet is fine (it is created when the trace is
+    written).
+
+    Raises:
+        ValueError: the path exists and is not a directory.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(PROFILE_DIR_ENV, "").strip()
+    if not raw:
+        return None
+    path = Path(raw)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{PROFILE_DIR_ENV}={raw!r} is not a directory (the traces are written "
+                         "into it as gradcomm-trace-rank<rank>.json)")
+    return path
+
+
 def attach_from_env(comm: Communicator, env: Mapping[str, str] | None = None) -> Profiler | None:
     """Attach a write-on-close :class:`Profiler` to ``comm`` when ``GRADCOMM_PROFILE`` is on.
 
@@ -474,12 +496,13 @@ def attach_from_env(comm: Communicator, env: Mapping[str, str] | None = None) ->
         The attached profiler, or None when profiling is off.
 
     Raises:
-        ValueError: ``GRADCOMM_PROFILE`` is set to something that is neither on nor off.
+        ValueError: ``GRADCOMM_PROFILE`` is set to something that is neither on nor off, or
+            ``GRADCOMM_PROFILE_DIR`` is a file.
     """
     env = os.environ if env is None else env
     if not profile_requested(env):
         return None
-    trace_dir = env.get(PROFILE_DIR_ENV, "").strip() or None
+    trace_dir = trace_dir_from_env(env)
     prof = Profiler(comm, trace_dir=trace_dir, write_on_close=True).attach()
     atexit.register(prof._write_final)  # no-op if the communicator was closed first
     logger.debug("rank %d: profiling %s collectives, trace to %s", comm.rank, comm.backend,

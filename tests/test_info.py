@@ -64,8 +64,23 @@ def test_unknown_backend_is_reported_not_raised() -> None:
     report = collect_info({"GRADCOMM_BACKEND": "bogus"}, include_mpi=False)
     assert report["backend"]["selected"] == "bogus"
     assert report["backend"]["available"] is False
-    assert "known: " in report["backend"]["error"] and "gloo" in report["backend"]["error"]
-    assert "error: unknown backend 'bogus'" in format_info(report)
+    assert "known backends: " in report["backend"]["error"] and "gloo" in report["backend"]["error"]
+    assert "error: unknown gradcomm backend 'bogus' (from GRADCOMM_BACKEND)" in format_info(report)
+
+
+def test_bad_switches_and_profile_dir_are_marked_invalid(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    env = {"GRADCOMM_MPI_ABORT_ON_ERROR": "tru", "GRADCOMM_MPI_CUDA_AWARE": "maybe",
+           "GRADCOMM_PROFILE": "1", "GRADCOMM_PROFILE_DIR": str(afile)}
+    report = collect_info(env, include_mpi=False)
+    assert sorted(report["env_errors"]) == sorted(env.keys() - {"GRADCOMM_PROFILE"})
+    assert "GRADCOMM_MPI_ABORT_ON_ERROR must be one of" in report["env_errors"][
+        "GRADCOMM_MPI_ABORT_ON_ERROR"]
+    text = format_info(report)
+    for name in env.keys() - {"GRADCOMM_PROFILE"}:
+        line = next(row for row in text.splitlines() if row.strip().startswith(name))
+        assert "INVALID" in line, text
 
 
 def test_text_output_single_process() -> None:

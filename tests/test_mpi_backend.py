@@ -194,3 +194,32 @@ def test_missing_mpi4py_names_pip_install() -> None:
     lines = proc.stdout.splitlines()
     assert [line.split()[0] for line in lines] == ["INIT", "MODULE"], proc.stdout
     assert all("pip install mpi4py" in line for line in lines), proc.stdout
+
+
+_BAD_ONE_RANK = {  # case: what every rank's message must contain
+    "profile": "GRADCOMM_PROFILE must be one of",
+    "abort": "GRADCOMM_MPI_ABORT_ON_ERROR must be one of",
+    "cuda_aware": "GRADCOMM_MPI_CUDA_AWARE must be one of",
+    "timeout_env": "GRADCOMM_TIMEOUT must be a number of seconds",
+    "backend_env": "glooo",
+    "timeout_arg": "timeout must be a positive, finite number",
+    "device_arg": "device 'tpu' is not a torch device",
+    "other_backend": "the ranks chose different backends",
+}
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+@pytest.mark.parametrize("case", sorted(_BAD_ONE_RANK))
+def test_a_setting_bad_on_one_rank_raises_on_every_rank(backend: str, case: str) -> None:
+    # Each case hung until killed before init agreed on its settings across MPI ranks.
+    n = 3 if case in ("profile", "other_backend") else 2
+    out = run_mpi(SCRIPTS / "init_bad_setting_one_rank.py", n, [backend, case], timeout=60).stdout
+    lines = _results(out, "badset")
+    assert len(lines) == n, out
+    for line in lines:
+        assert "ValueError" in line and _BAD_ONE_RANK[case] in line, out
+        rank = int(re.search(r"rank=(\d+)", line).group(1))  # type: ignore[union-attr]
+        if case != "other_backend" and rank != n - 1:  # the others say which rank had it
+            assert f"gradcomm.init failed on 1 of {n} ranks (rank {n - 1}: ValueError:" in line, out
+    total = n * (n + 1) // 2
+    assert sorted(_results(out, "after")) == [f"RESULT after rank={r} {total}" for r in range(n)]

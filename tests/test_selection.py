@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,6 +115,59 @@ def test_bad_environment_timeout(raw: str) -> None:
 def test_bad_timeout_argument(bad: float) -> None:
     with pytest.raises(ValueError, match="timeout"):
         resolve_timeout(bad, {})
+
+
+@pytest.mark.parametrize("huge", [1e9 + 1, 1e13, 8.7e13, 1e300])
+def test_timeouts_beyond_the_maximum_are_a_value_error_not_a_crash_in_gloo(huge: float) -> None:
+    # 1e13 s made gloo's context raise "Invalid timeout", 8.7e13 s an OverflowError in timedelta
+    from gradcomm.comm import selection
+
+    assert selection.MAX_TIMEOUT == 1e9 and resolve_timeout(1e9, {}) == 1e9
+    with pytest.raises(ValueError, match=r"at most 1e\+09 seconds"):
+        resolve_timeout(huge, {})
+    with pytest.raises(ValueError, match="GRADCOMM_TIMEOUT must be at most"):
+        init("gloo", env={"GRADCOMM_TIMEOUT": repr(huge)})
+
+
+def test_the_largest_timeout_works_on_gloo() -> None:
+    with init("gloo", timeout=1e9, env={}) as comm:
+        t = torch.ones(3)
+        comm.all_reduce(t)
+        assert torch.equal(t, torch.ones(3))
+
+
+@pytest.mark.parametrize("name", ["GRADCOMM_MPI_ABORT_ON_ERROR", "GRADCOMM_MPI_CUDA_AWARE"])
+def test_process_switch_typos_raise_at_init_on_any_backend(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # these two are read from os.environ where they apply (the mpi backend, CUDA buffers); a typo
+    # used to pass silently on gloo or on the CPU
+    monkeypatch.setenv(name, "tru")
+    with pytest.raises(ValueError, match=f"{name} must be one of"):
+        init("gloo", env={})
+    monkeypatch.setenv(name, " OFF ")
+    with init("gloo", env={}) as comm:
+        assert comm.world_size == 1
+
+
+def test_profile_dir_that_is_a_file_raises_at_init(tmp_path: Path) -> None:
+    # it used to fail only when the trace was written, at close() after training
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    env = {"GRADCOMM_PROFILE": "1", "GRADCOMM_PROFILE_DIR": str(afile)}
+    with pytest.raises(ValueError, match=r"GRADCOMM_PROFILE_DIR=.* is not a directory"):
+        init("gloo", env=env)
+    newdir = tmp_path / "new" / "dir"
+    with init("gloo", env={**env, "GRADCOMM_PROFILE_DIR": str(newdir)}) as comm:
+        comm.all_reduce(torch.ones(2))
+    assert (newdir / "gradcomm-trace-rank0.json").is_file()
+
+
+def test_unknown_backend_names_its_source() -> None:
+    with pytest.raises(ValueError, match=r"'nosuch' \(from GRADCOMM_BACKEND\)"):
+        init(env={"GRADCOMM_BACKEND": "nosuch"})
+    with pytest.raises(ValueError, match=r"'nosuch' \(from the backend argument\)"):
+        init("nosuch", env={})
 
 
 @pytest.mark.parametrize("bad", [True, "10", [1]])

@@ -20,6 +20,7 @@ __all__ = [
     "check_launch_matches_mpi",
     "cpus_per_local_process",
     "detect_launch",
+    "started_by_mpi_launcher",
 ]
 
 
@@ -201,6 +202,18 @@ def detect_launch(
         0, 1, 0 if local_rank is None else local_rank,
         1 if local_world_size is None else local_world_size, Launcher.SINGLE, *store,
     )
+
+
+def started_by_mpi_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Whether an MPI launcher (mpirun/mpiexec of Open MPI, MPICH/Hydra, Intel MPI, PMIx,
+    MVAPICH2) set this process's rank variable in ``env`` (default :data:`os.environ`).
+
+    Reads the variables only (no MPI import, no parsing), so it answers even where
+    :func:`detect_launch` would raise on a malformed value.
+    """
+    env = os.environ if env is None else env
+    return any(launcher.is_mpi and env.get(rank_var, "").strip()
+               for launcher, rank_var, *_ in _LAUNCHER_VARS)
 
 
 def _store_address(env: Mapping[str, str]) -> tuple[str | None, int | None, bool]:

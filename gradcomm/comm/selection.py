@@ -16,15 +16,30 @@ from dataclasses import dataclass
 import torch
 
 from .communicator import Communicator
-from .launcher import LaunchInfo, detect_launch
-from .registry import available_backends, create_communicator, normalize_backend_name
+from .env_flag import env_flag
+from .launcher import LaunchInfo, detect_launch, started_by_mpi_launcher
+from .mpi_abort import ABORT_ENV_VAR, install_abort_hook
+from .registry import (
+    available_backends,
+    create_communicator,
+    known_backends,
+    normalize_backend_name,
+)
 
-__all__ = ["init", "select_backend", "resolve_timeout", "BackendChoice", "DEFAULT_TIMEOUT"]
+__all__ = [
+    "init", "select_backend", "resolve_timeout", "BackendChoice", "DEFAULT_TIMEOUT", "MAX_TIMEOUT",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Default collective timeout in seconds.
 DEFAULT_TIMEOUT = 300.0
+#: Largest timeout accepted, in seconds (about 31.7 years): gloo refuses timeouts from about 1e13 s
+#: and Python's timedelta overflows at about 8.6e13 s, so "practically forever" has one limit for
+#: every backend.
+MAX_TIMEOUT = 1e9
+#: Process-wide on/off switches read from os.environ by what they configure (checked by init).
+_PROCESS_SWITCHES = (ABORT_ENV_VAR, "GRADCOMM_MPI_CUDA_AWARE")
 
 
 @dataclass(frozen=True)
@@ -42,24 +57,34 @@ def select_backend(
 
     Raises:
         TypeError: ``backend`` is not a string or None.
+        ValueError: the name (argument or ``GRADCOMM_BACKEND``) is empty or not registered.
     """
     env = os.environ if env is None else env
     if backend is not None:
-        return BackendChoice(normalize_backend_name(backend), "the backend argument")
+        return _known(backend, "the backend argument")
     from_env = env.get("GRADCOMM_BACKEND", "").strip()
     if from_env:
-        return BackendChoice(normalize_backend_name(from_env), "GRADCOMM_BACKEND")
+        return _known(from_env, "GRADCOMM_BACKEND")
     status = available_backends()
     if "nccl" in status and status["nccl"].available:
         return BackendChoice("nccl", "auto: CUDA is available")
     return BackendChoice("gloo", "auto: no usable CUDA device, so gloo on the CPU")
 
 
+def _known(name: str, source: str) -> BackendChoice:
+    key = normalize_backend_name(name)
+    if key not in known_backends():
+        raise ValueError(f"unknown gradcomm backend {name!r} (from {source}); known backends: "
+                         f"{', '.join(known_backends())}")
+    return BackendChoice(key, source)
+
+
 def resolve_timeout(timeout: float | None = None, env: Mapping[str, str] | None = None) -> float:
     """Return the collective timeout in seconds from the argument, ``GRADCOMM_TIMEOUT``, or 300.
 
     Raises:
-        ValueError: not a positive finite number (``GRADCOMM_TIMEOUT`` included).
+        ValueError: not a positive finite number of at most :data:`MAX_TIMEOUT` seconds
+            (``GRADCOMM_TIMEOUT`` included).
         TypeError: ``timeout`` is not a number.
     """
     env = os.environ if env is None else env
@@ -79,7 +104,80 @@ def resolve_timeout(timeout: float | None = None, env: Mapping[str, str] | None 
     seconds = float(value)
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{source} must be a positive, finite number of seconds, got {value!r}")
+    if seconds > MAX_TIMEOUT:
+        raise ValueError(f"{source} must be at most {MAX_TIMEOUT:g} seconds (about 31 years), "
+                         f"got {value!r}")
     return seconds
+
+
+def _checked_device(device: object) -> torch.device | None:
+    """``init``'s ``device`` argument as a torch.device (None stays None), checked at the edge.
+
+    Raises:
+        TypeError: not a str or torch.device. ValueError: a string torch does not know.
+    """
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:  # torch's message lists the device types it knows
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+
+
+def _agree_across_mpi_ranks(
+    env: Mapping[str, str], problem: TypeError | ValueError | None, backend: str | None
+) -> None:
+    """Under an MPI launcher, make a bad setting on any rank raise on every rank.
+
+    The ranks all-gather (error or None, backend name) with mpi4py before anything else talks to
+    MPI. Without this, a rank whose ``GRADCOMM_*`` value or argument was bad raised alone while
+    the others went on into the backend's first MPI collective (or the rendezvous through MPI)
+    and waited there forever. Skipped -- the problem, if any, raised on this rank only, as before
+    -- outside an MPI launcher (torchrun ends the job itself; a store rendezvous times out), with
+    one rank, or without mpi4py. Importing mpi4py initialises MPI, so the abort hook
+    (``GRADCOMM_MPI_ABORT_ON_ERROR``, on unless set off) is installed first.
+
+    Raises:
+        TypeError, ValueError: ``problem`` on this rank; on the others the same type, naming
+            the rank(s) and their messages.
+        ValueError: the ranks chose different backends.
+    """
+    world = None
+    if started_by_mpi_launcher(env):
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            pass
+        else:
+            world = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    if world is None:
+        if problem is not None:
+            raise problem
+        return
+    try:
+        abort = env_flag(ABORT_ENV_VAR, True)
+    except ValueError:
+        abort = True  # the bad value itself is `problem`: raise it on every rank, then abort
+    if abort:
+        install_abort_hook()
+    mine = (None if problem is None else (type(problem).__name__, str(problem)), backend)
+    views = world.allgather(mine)
+    failed = [(r, p) for r, (p, _) in enumerate(views) if p is not None]
+    if failed:
+        if problem is not None:
+            raise problem
+        kind = TypeError if failed[0][1][0] == "TypeError" else ValueError
+        details = "; ".join(f"rank {r}: {name}: {msg}" for r, (name, msg) in failed[:4])
+        more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
+        raise kind(f"gradcomm.init failed on {len(failed)} of {len(views)} ranks "
+                   f"({details}{more}); raised on every rank so that none waits for the others")
+    names = {name for _, name in views}
+    if len(names) > 1:
+        chosen = "; ".join(f"rank {r}: {name}" for r, (_, name) in enumerate(views[:8]))
+        raise ValueError(f"the ranks chose different backends ({chosen}); pass the same backend "
+                         "or set the same GRADCOMM_BACKEND on every rank")
 
 
 def init(
@@ -119,9 +217,18 @@ def init(
         TypeError: ``env`` is not a mapping of strings to strings; ``rank``, ``world_size`` or
             ``local_rank`` not an int (bool and float refused); ``device`` not a str or
             ``torch.device``.
-        ValueError: unknown backend name (the message lists the known ones), bad timeout,
-            ranks out of range, a device string torch does not know, or a ``GRADCOMM_PROFILE``
-            value that is neither on nor off.
+        ValueError: unknown backend name (the message lists the known ones), bad timeout
+            (not positive, not finite, or over :data:`MAX_TIMEOUT`), ranks out of range, a
+            device string torch does not know, a ``GRADCOMM_PROFILE``,
+            ``GRADCOMM_MPI_ABORT_ON_ERROR`` or ``GRADCOMM_MPI_CUDA_AWARE`` value that is neither
+            on nor off, a ``GRADCOMM_PROFILE_DIR`` that is a file, or ranks that chose different
+            backends.
+
+    Under an MPI launcher (mpirun/mpiexec) with more than one rank and mpi4py installed, the
+    ranks first all-gather whether their settings were valid, so a TypeError or ValueError
+    caused by one rank's arguments or environment is raised on every rank (MPI is initialised
+    by then, and the ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed). Elsewhere it is raised on
+    the rank that has it; torchrun ends such a job, a store rendezvous times out.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed.
@@ -132,19 +239,26 @@ def init(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
     ):
         raise TypeError(f"env must be a mapping of str to str (like os.environ), got {env!r}")
-    if device is not None:  # checked at the edge, before any rendezvous
-        if not isinstance(device, (str, torch.device)):
-            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-        try:
-            device = torch.device(device)
-        except RuntimeError as exc:  # torch's message lists the device types it knows
-            raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
-    choice = select_backend(backend, env)
-    seconds = resolve_timeout(timeout, env)
-    launch: LaunchInfo = detect_launch(env, rank=rank, world_size=world_size, local_rank=local_rank)
-    from ..profiler import attach_from_env, profile_requested  # lazy: comm does not need it
+    from ..profiler import attach_from_env, profile_requested, trace_dir_from_env  # lazy
 
-    profiling = profile_requested(env)  # a bad value raises before any rendezvous
+    # Each rank checks its own settings; under an MPI launcher the ranks then agree, so that a
+    # value that is bad on one rank only raises on all of them (not: raise here, hang there).
+    try:
+        device = _checked_device(device)
+        choice = select_backend(backend, env)
+        seconds = resolve_timeout(timeout, env)
+        launch: LaunchInfo = detect_launch(
+            env, rank=rank, world_size=world_size, local_rank=local_rank
+        )
+        profiling = profile_requested(env)
+        if profiling:
+            trace_dir_from_env(env)
+        for name in _PROCESS_SWITCHES:  # read later, where they apply; a typo raises now
+            env_flag(name, None)
+    except (TypeError, ValueError) as exc:
+        _agree_across_mpi_ranks(env, exc, None)  # raises, on every rank under an MPI launcher
+        raise
+    _agree_across_mpi_ranks(env, None, choice.name)
     logger.debug(
         "init: backend %s (%s), rank %d/%d, local_rank %d, launcher %s, timeout %.1f s",
         choice.name, choice.reason, launch.rank, launch.world_size, launch.local_rank,
