@@ -16,6 +16,7 @@ import torch
 from mpi_scripts.collective_checks import (
     check_any_dtype_moves,
     check_awkward_targets,
+    check_callbacks_on_completed_works,
     check_complex,
     check_sign_bits,
 )
@@ -141,8 +142,29 @@ def check_async(comm: Communicator, handshake: Path) -> None:
     assert work.is_completed()
     work.wait()  # waiting again is a no-op
     assert torch.equal(t, torch.full((N,), (comm.world_size + 1) / 2))
-    with pytest.raises(RuntimeError, match="completed"):
-        work.add_callback(lambda: None)
+    # a callback added to a completed work runs at once (it used to raise RuntimeError), under
+    # no_grad; its error is raised by add_callback and again by every wait()
+    ran: list[bool] = []
+    work.add_callback(lambda: ran.append(torch.is_grad_enabled()))
+    assert ran == [False]
+
+    def bad() -> None:
+        raise ValueError("deliberate late callback failure")
+
+    with pytest.raises(ValueError, match="deliberate late"):
+        work.add_callback(bad)
+    with pytest.raises(ValueError, match="deliberate late"):
+        work.wait()
+    pending = comm.all_reduce(torch.ones(1), async_op=True)
+    with pytest.raises(TypeError, match="callable"):
+        pending.add_callback(5)  # type: ignore[arg-type]
+    pending.wait()
+    # no collective is issued for an empty tensor: the work is complete at once
+    empty = comm.all_reduce(torch.ones(0), async_op=True)
+    seen: list[str] = []
+    empty.add_callback(lambda: seen.append("empty"))
+    empty.wait()
+    assert seen == ["empty"]
 
     # Several in flight at once, each its own buffer; waited in reverse order.
     bufs = [torch.full((7,), float(i * (comm.rank + 1))) for i in range(4)]
@@ -157,6 +179,12 @@ def check_async(comm: Communicator, handshake: Path) -> None:
 
 def check_bad_input(comm: Communicator) -> None:
     t = torch.ones(3)
+    # supports() checks its device argument as init() does (torch's own errors leaked before)
+    with pytest.raises(ValueError, match="'tpu' is not a torch device"):
+        comm.supports(torch.float32, "tpu")
+    with pytest.raises(TypeError, match="str or torch.device, got int"):
+        comm.supports(torch.float32, 5)  # type: ignore[arg-type]
+    assert comm.supports(torch.float32, "cpu") == comm.supports(torch.float32, torch.device("cpu"))
     with pytest.raises(TypeError, match=r"torch\.Tensor"):
         comm.all_reduce([1.0, 2.0])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"torch\.Tensor"):
@@ -212,6 +240,7 @@ def full_suite(comm: Communicator, handshake: Path, dtypes: list[torch.dtype]) -
     check_any_dtype_moves(comm)
     check_awkward_targets(comm)
     check_complex(comm)
+    check_callbacks_on_completed_works(comm)
     check_async(comm, handshake)
     check_closed(comm)
     return "ok"

@@ -30,7 +30,7 @@ def test_collectives_every_op_and_dtype(n: int) -> None:
     out = run_mpi(SCRIPTS / "mpi_backend_collectives.py", n, timeout=60).stdout
     lines = _results(out, "ok")
     assert sorted(lines) == sorted(
-        f"RESULT ok rank={r} world={n} checks=117" for r in range(n)
+        f"RESULT ok rank={r} world={n} checks=119" for r in range(n)
     ), out
 
 

@@ -241,16 +241,38 @@ class Communicator(abc.ABC):
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
         """Say how this backend reduces tensors of ``dtype`` on ``device`` (default: its device).
 
+        Complex dtypes get the answer for their real dtype (complex64: float32), with a reason
+        saying so: :meth:`all_reduce` reduces them (SUM and AVG only) as their real view.
+
         Raises:
-            TypeError: ``dtype`` is not a :class:`torch.dtype` (e.g. the string ``"float32"``).
+            TypeError: ``dtype`` is not a :class:`torch.dtype` (e.g. the string ``"float32"``),
+                or ``device`` is not None, a str or a :class:`torch.device`.
+            ValueError: ``device`` is a string torch does not know.
             RuntimeError: the communicator is closed (its transport may be gone; the answer
                 would describe a communicator that can no longer be used).
         """
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"supports() takes a torch.dtype, got {type(dtype).__name__} "
                             f"{dtype!r} (e.g. torch.float32)")
+        if device is not None and not isinstance(device, torch.device):
+            if not isinstance(device, str):
+                raise TypeError(f"supports() takes a device as a str or torch.device, got "
+                                f"{type(device).__name__} {device!r}")
+            try:
+                device = torch.device(device)
+            except RuntimeError as exc:  # torch's message lists the device types it knows
+                raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
+        if dtype.is_complex:
+            real = torch.empty(0, dtype=dtype).real.dtype
+            part = self._supports(real, device)
+            if not part.is_supported:
+                return part
+            why = (f"{dtype} is reduced (SUM or AVG only) as its {real} real view "
+                   "(torch.view_as_real)")
+            return Support(part.level, f"{why}; {part.reason}" if part.reason else why,
+                           part.transfer_dtype)
         return self._supports(dtype, device)
 
     @abc.abstractmethod
@@ -572,7 +594,7 @@ class Communicator(abc.ABC):
             reason = (f"tensor is on {device}, but this {self.backend} communicator works on "
                       f"{self._device}")
         else:
-            support = self.supports(dtype, device)
+            support = self._supports(dtype, device)  # complex: UNSUPPORTED, see all_reduce
             reason = support.reason
             if not support.is_supported:
                 error = TypeError

@@ -132,14 +132,28 @@ class Work(abc.ABC):
         :func:`torch.no_grad` (:func:`torch.inference_mode` when the collective's tensor is an
         inference tensor), so it may update tensors in place that autograd would refuse. If it
         raises, the callbacks after it still run, and :meth:`wait` raises the first such error
-        (every time it is called).
+        (every time it is called). On a work that has already completed -- one that issued no
+        collective (world_size 1, an empty tensor), or one an MPI communicator finished while
+        finishing a later collective -- ``fn`` runs at once, as a callback added to a completed
+        ``torch.futures.Future`` does; if it raises, ``add_callback`` raises that error and
+        :meth:`wait` raises it again.
 
         Raises:
-            RuntimeError: the work has already completed.
+            TypeError: ``fn`` is not callable.
+            Exception: on a completed work, whatever ``fn`` raised.
         """
-        if self._done:
-            raise RuntimeError("cannot add a callback to a completed Work")
-        self._callbacks.append(fn)
+        if not callable(fn):
+            raise TypeError(f"add_callback takes a callable, got {type(fn).__name__} {fn!r}")
+        if not self._done:
+            self._callbacks.append(fn)
+            return
+        with self._callback_context():
+            try:
+                fn()
+            except Exception as exc:
+                if self._error is None:
+                    self._error = exc
+                raise
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the collective is complete and its result is in the tensor.
@@ -202,18 +216,25 @@ class Work(abc.ABC):
 
     def _finish(self) -> None:
         self._done = True
+        if self._callbacks:
+            self._run_callbacks()
+
+    def _callback_context(self) -> contextlib.AbstractContextManager[Any]:
+        target = self._target
+        return torch.no_grad() if target is None else writing_into(target)
+
+    def _run_callbacks(self) -> None:
+        """Run and drop the pending callbacks; raise the first error any callback ever raised."""
         callbacks, self._callbacks = self._callbacks, []
-        if callbacks:
-            target = self._target
-            with torch.no_grad() if target is None else writing_into(target):
-                for fn in callbacks:
-                    try:
-                        fn()
-                    except Exception as exc:  # noqa: BLE001 - re-raised after the later callbacks ran
-                        if self._error is None:
-                            self._error = exc
-            if self._error is not None:
-                raise self._error
+        with self._callback_context():
+            for fn in callbacks:
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - re-raised after the later callbacks ran
+                    if self._error is None:
+                        self._error = exc
+        if self._error is not None:
+            raise self._error
 
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"

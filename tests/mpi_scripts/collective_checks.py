@@ -190,4 +190,28 @@ def check_complex(comm: Communicator) -> int:
         assert "SUM or AVG" in str(exc), exc
     else:
         raise AssertionError("MAX of a complex tensor did not raise TypeError")
-    return checks + 1
+    # supports() answers for the real view all_reduce uses (it used to say UNSUPPORTED)
+    for dtype, real in ((torch.complex64, torch.float32), (torch.complex128, torch.float64)):
+        got, part = comm.supports(dtype), comm.supports(real)
+        assert (got.level, got.transfer_dtype) == (part.level, part.transfer_dtype), (dtype, got)
+        assert got.is_supported and f"as its {real} real view" in got.reason, got
+    return checks + 2
+
+
+def check_callbacks_on_completed_works(comm: Communicator) -> int:
+    """A callback added to a work that is already complete runs at once (it used to raise
+    RuntimeError): one that issued no collective (an empty tensor), and one completed by a
+    later collective (MPI finishes works in order) or by its own wait."""
+    ran: list[str] = []
+    empty = comm.all_reduce(torch.ones(0), async_op=True)
+    empty.add_callback(lambda: ran.append("empty"))
+    t = torch.full((3,), float(comm.rank + 1))
+    first = comm.all_reduce(t, async_op=True)
+    comm.all_reduce(torch.ones(2))  # on MPI this finishes `first` too
+    if not first.is_completed():
+        first.wait()
+    first.add_callback(lambda: ran.append(f"late {t.tolist()}"))
+    first.wait()
+    total = float(sum(range(1, comm.world_size + 1)))
+    assert ran == ["empty", f"late {[total] * 3}"], ran
+    return 1

@@ -12,6 +12,7 @@ import torch
 from collective_checks import (
     check_any_dtype_moves,
     check_awkward_targets,
+    check_callbacks_on_completed_works,
     check_complex,
     check_sign_bits,
 )
@@ -136,6 +137,7 @@ def main() -> None:
     checks += check_any_dtype_moves(comm)
     checks += check_awkward_targets(comm)
     checks += check_complex(comm)
+    checks += check_callbacks_on_completed_works(comm)
 
     # barrier
     comm.barrier()
