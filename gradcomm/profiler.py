@@ -222,6 +222,8 @@ class Profiler:
     ) -> None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"comm must be a gradcomm Communicator, got {type(comm).__name__}")
+        if comm.closed:
+            raise RuntimeError(f"{comm.backend} communicator is closed: nothing to profile")
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.backend = comm.backend
@@ -440,6 +442,7 @@ def profile(
 
     Raises:
         TypeError: ``comm`` is not a Communicator.
+        RuntimeError: ``comm`` is closed.
     """
     prof = Profiler(comm)
     previous = comm.profiler

@@ -182,7 +182,7 @@ def check_bad_input(comm: Communicator) -> None:
     # supports() checks its device argument as init() does (torch's own errors leaked before)
     with pytest.raises(ValueError, match="'tpu' is not a torch device"):
         comm.supports(torch.float32, "tpu")
-    with pytest.raises(TypeError, match="str or torch.device, got int"):
+    with pytest.raises(TypeError, match=r"str or torch\.device, got int"):
         comm.supports(torch.float32, 5)  # type: ignore[arg-type]
     assert comm.supports(torch.float32, "cpu") == comm.supports(torch.float32, torch.device("cpu"))
     with pytest.raises(TypeError, match=r"torch\.Tensor"):

@@ -1563,3 +1563,28 @@ def test_synchronize_is_idempotent_after_backward() -> None:
 
     for g in run_ranks(2, fn):
         assert torch.equal(g, torch.full((4,), 1.5))
+
+
+def test_a_closed_communicator_is_refused_at_any_world_size() -> None:
+    # at world_size 1 no collective runs, so the reducer and the profiler used to accept it
+    from gradcomm.profiler import profile
+
+    comm = gradcomm.init("gloo", env={})
+    comm.close()
+    model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="communicator is closed"):
+        GradientReducer(model, comm)
+    with pytest.raises(RuntimeError, match="communicator is closed"):
+        gradcomm.apply_gradient_allreduce(model, comm)
+    with pytest.raises(RuntimeError, match="communicator is closed"), profile(comm):
+        pass
+    assert not model._forward_pre_hooks  # nothing was attached
+
+
+@pytest.mark.parametrize("name", [1, None, b"w"])
+def test_parameter_names_must_be_strings(name: object) -> None:
+    p = nn.Parameter(torch.ones(2))
+    with gradcomm.init("gloo", env={}) as comm, pytest.raises(
+        TypeError, match="parameter names must be str"
+    ):
+        GradientReducer([("ok", nn.Parameter(torch.ones(1))), (name, p)], comm)

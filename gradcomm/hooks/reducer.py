@@ -399,11 +399,14 @@ def _named_params(
         if isinstance(item, dict):
             raise TypeError("parameter groups (dicts) are not supported; pass the parameters")
         name, p = item if isinstance(item, tuple) else (f"params.{i}", item)
+        if not isinstance(name, str):
+            raise TypeError(f"parameter names must be str (as in named_parameters()), got "
+                            f"{type(name).__name__} {name!r} for item {i}")
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{name} is a {type(p).__name__}, not a torch.Tensor")
         if id(p) not in seen:
             seen.add(id(p))
-            out.append((str(name), p))
+            out.append((name, p))
     return None, out
 
 
@@ -455,6 +458,7 @@ class GradientReducer:
         ValueError: bad caps, or a factor outside [1, world_size]; parameters on a device the
             communicator does not serve; the model differs across ranks (raised on every rank,
             naming the first difference, before any other collective).
+        RuntimeError: ``comm`` is closed.
 
     Gradient hooks of your own that change ``param.grad`` (per-parameter clipping, noise) must be
     registered (``register_post_accumulate_grad_hook``) before the reducer is constructed: they
@@ -527,6 +531,9 @@ class GradientReducer:
             comm = init()
         elif not isinstance(comm, Communicator):
             raise TypeError(f"comm must be a gradcomm Communicator, got {type(comm).__name__}")
+        if comm.closed:  # at world_size 1 no collective would have noticed
+            raise RuntimeError(f"{comm.backend} communicator is closed; build the reducer with an "
+                               "open one (gradcomm.init())")
         if gradient_predivide_factor is not None and not (
             1.0 <= gradient_predivide_factor <= comm.world_size
         ):
