@@ -95,7 +95,8 @@ def main() -> None:
         print(f"  comm - raw: {overhead:+.1f} us")
         if args.json is not None:
             meta = {"tool": "benchmarks/call_overhead.py",
-                    "command": "python " + " ".join(["benchmarks/call_overhead.py", *sys.argv[1:]]),
+                    "command": " ".join(["mpiexec", "-n", str(world.Get_size()), "python",
+                                         "benchmarks/call_overhead.py", *sys.argv[1:]]),
                     "date_utc": start, "world_size": world.Get_size(), "backend": args.backend,
                     "bytes": args.bytes, "calls": args.calls, "torch": torch.__version__,
                     "cpu_count": os.cpu_count(), "time": "median over calls of the max over ranks"}

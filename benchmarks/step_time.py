@@ -432,7 +432,9 @@ def ratio(result: dict[str, Any], a: str, b: str) -> float | None:
 def table(result: dict[str, Any]) -> list[str]:
     lines = [
         f"model {result['model']} ({result['params'] / 1e6:.2f}M params)",
-        "  (x ddp, x old: median over rounds of the paired per-round ratio)",
+        "  (x ddp, x old: median over rounds of the paired per-round ratio; rank spread: max abs"
+        " difference of the final parameters between ranks; vs ddp: max abs difference from"
+        " DDP's final parameters (0: bit-identical); faults: minor page faults per step)",
         f"  {'variant':<15} {'median ms':>10} {'IQR ms':>8} {'x ddp':>7} {'x old':>7}"
         f" {'rank spread':>12} {'vs ddp':>9} {'faults':>7}",
     ]

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import os
 import sys
 import time
@@ -95,8 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the split, init and shuffling")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = p.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0 or args.hidden < 1:
-        p.error("--epochs, --batch-size and --hidden must be >= 1 and --lr > 0")
+    if args.epochs < 1 or args.batch_size < 1 or not 0 < args.lr < math.inf or args.hidden < 1:
+        p.error("--epochs, --batch-size and --hidden must be >= 1 and --lr a finite number > 0")
     if args.device is not None:
         try:
             torch.device(args.device)

@@ -151,3 +151,14 @@ def test_bad_device_is_a_usage_error(device: str, capsys: pytest.CaptureFixture[
         _load_example().parse_args(["--device", device])
     assert info.value.code == 2
     assert "--device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "-0.1", "0"])
+def test_learning_rate_must_be_finite_and_positive(
+    lr: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --lr nan used to pass the check and end as "training diverged"
+    with pytest.raises(SystemExit) as info:
+        _load_example().main(["--lr", lr])
+    assert info.value.code == 2
+    assert "--lr a finite number > 0" in capsys.readouterr().err

@@ -114,14 +114,29 @@ def _plot_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_prefix(launcher: str, world_size: int) -> list[str]:
+    """The launcher part of the command that reproduces this run (``launcher``: a
+    :class:`gradcomm.comm.Launcher` value), for the JSON's ``command``."""
+    from ..comm.launcher import Launcher
+
+    n = str(world_size)
+    if launcher == Launcher.TORCHRUN.value:
+        return ["torchrun", "--nproc-per-node", n]
+    if Launcher(launcher).is_mpi:
+        return ["mpiexec", "-n", n]
+    if launcher == Launcher.SLURM.value:
+        return ["srun", "-n", n]
+    return []
+
+
 def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str, Any]:
     import torch
 
     return {
         "tool": "gradcomm.bench",
         "collective": "all_reduce",
-        "command": " ".join([os.path.basename(sys.executable), "-m", "gradcomm.bench",
-                             *sys.argv[1:]]),
+        "command": " ".join([*_launch_prefix(launcher, world_size), "python", "-m",
+                             "gradcomm.bench", *sys.argv[1:]]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
@@ -210,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
     say(f"# time: max over ranks of the {args.stat} per call over {args.repeats} rounds; "
         "busbw = algbw * 2(n-1)/n (nccl-tests)")
+    if launch.world_size == 1:
+        say("# world_size 1: gradcomm issues no collective (all_reduce returns at once), while the "
+            "raw column is the transport's own 1-rank call, so ratio and overhead compare "
+            "unlike things here; launch 2+ ranks (mpiexec -n 2 / torchrun --nproc-per-node 2)")
     for name in backends:
         try:
             comm = gc.init(name, timeout=args.timeout, device=args.device)
