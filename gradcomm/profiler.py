@@ -467,24 +467,36 @@ def profile_requested(env: Mapping[str, str] | None = None) -> bool:
     return env_flag(PROFILE_ENV, False, env)
 
 
-def trace_dir_from_env(env: Mapping[str, str] | None = None) -> Path | None:
+def trace_dir_from_env(
+    env: Mapping[str, str] | None = None, *, create: bool = False
+) -> Path | None:
     """The directory ``GRADCOMM_PROFILE_DIR`` names (None when unset or blank).
 
-    Checked by :func:`gradcomm.init` before training starts, not when the trace is written at the
-    end of the job. A directory that does not exist yet is fine (it is created when the trace is
-    written).
+    Checked by :func:`gradcomm.init` before training starts (with ``create=True``: the
+    directory is made then, as the trace will be written into it), not when the trace is written
+    at the end of the job.
 
     Raises:
-        ValueError: the path exists and is not a directory.
+        ValueError: the path, or the first of its parents that exists, is not a directory, or
+            the path cannot be examined or (``create``) made: a name too long for the file
+            system, no permission.
     """
     env = os.environ if env is None else env
     raw = env.get(PROFILE_DIR_ENV, "").strip()
     if not raw:
         return None
     path = Path(raw)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{PROFILE_DIR_ENV}={raw!r} is not a directory (the traces are written "
-                         "into it as gradcomm-trace-rank<rank>.json)")
+    try:
+        # the first part of the path that exists must be a directory (it is created below it)
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            where = "is" if existing == path else f"is below {str(existing)!r}, which is"
+            raise ValueError(f"{PROFILE_DIR_ENV}={raw!r} {where} not a directory (the traces "
+                             "are written into it as gradcomm-trace-rank<rank>.json)")
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{PROFILE_DIR_ENV}={raw!r} cannot be used: {exc}") from None
     return path
 
 

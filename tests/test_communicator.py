@@ -143,7 +143,7 @@ def check_async(comm: Communicator, handshake: Path) -> None:
     work.wait()  # waiting again is a no-op
     assert torch.equal(t, torch.full((N,), (comm.world_size + 1) / 2))
     # a callback added to a completed work runs at once (it used to raise RuntimeError), under
-    # no_grad; its error is raised by add_callback and again by every wait()
+    # no_grad; its error is raised by every wait(), as for a pending work, not by add_callback
     ran: list[bool] = []
     work.add_callback(lambda: ran.append(torch.is_grad_enabled()))
     assert ran == [False]
@@ -151,10 +151,21 @@ def check_async(comm: Communicator, handshake: Path) -> None:
     def bad() -> None:
         raise ValueError("deliberate late callback failure")
 
-    with pytest.raises(ValueError, match="deliberate late"):
-        work.add_callback(bad)
-    with pytest.raises(ValueError, match="deliberate late"):
-        work.wait()
+    work.add_callback(bad)
+    work.add_callback(lambda: ran.append(True))  # later callbacks still run
+    assert ran == [False, True]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="deliberate late"):
+            work.wait()
+    # an inference tensor accepts in-place updates only in inference mode, where callbacks run
+    # (the mode was lost for callbacks added after the collective was posted)
+    with torch.inference_mode():
+        inf = torch.ones(2)
+    for async_op in (True, False):
+        w = comm.all_reduce(inf, async_op=async_op)
+        w.add_callback(lambda: inf.mul_(0.5))
+        w.wait()
+    assert inf.tolist() == [comm.world_size**2 / 4] * 2
     pending = comm.all_reduce(torch.ones(1), async_op=True)
     with pytest.raises(TypeError, match="callable"):
         pending.add_callback(5)  # type: ignore[arg-type]
@@ -593,3 +604,20 @@ def test_async_op_label_and_wait_timeout_are_type_checked() -> None:
             work.wait(timeout=bad)  # type: ignore[arg-type]
     work.wait(timeout=1)
     assert torch.equal(t, torch.ones(2))
+
+
+def test_callbacks_at_world_size_one_run_at_once_and_keep_inference_mode() -> None:
+    # no collective is issued at world_size 1: the work is complete when it is returned
+    with gradcomm.init("gloo", env={}) as comm:
+        with torch.inference_mode():
+            t = torch.ones(3)
+        work = comm.all_reduce(t, async_op=True)
+        work.add_callback(lambda: t.mul_(2))
+        assert t.tolist() == [2.0, 2.0, 2.0]
+
+        def bad() -> None:
+            raise RuntimeError("deliberate")
+
+        work.add_callback(bad)  # raised by wait(), as at world_size > 1
+        with pytest.raises(RuntimeError, match="deliberate"):
+            work.wait()

@@ -14,7 +14,15 @@ import time
 
 import pytest
 
-from dist_utils import REPO_ROOT, TESTS_DIR, require_mpi, run_mpi
+from dist_utils import (
+    REPO_ROOT,
+    TESTS_DIR,
+    _mpiexec_flags,
+    free_port,
+    require_mpi,
+    run_command,
+    run_mpi,
+)
 
 SCRIPTS = TESTS_DIR / "mpi_scripts"
 
@@ -205,21 +213,61 @@ _BAD_ONE_RANK = {  # case: what every rank's message must contain
     "timeout_arg": "timeout must be a positive, finite number",
     "device_arg": "device 'tpu' is not a torch device",
     "other_backend": "the ranks chose different backends",
+    "device_meta": "backend works on c",
+    "env_arg": "env must be a mapping of str to str",
+    "timeout_int": "timeout must be a positive, finite number",
+    "store_one_rank": "the ranks chose different store addresses",
 }
+_RAISED_AS = {"env_arg": "TypeError"}  # the rest: ValueError
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-@pytest.mark.parametrize("case", sorted(_BAD_ONE_RANK))
+@pytest.mark.parametrize(
+    ("backend", "case"),
+    # the mpi backend uses no store: a MASTER_ADDR on one rank is harmless there
+    [(b, c) for b in ("mpi", "gloo") for c in sorted(_BAD_ONE_RANK)
+     if (b, c) != ("mpi", "store_one_rank")],
+)
 def test_a_setting_bad_on_one_rank_raises_on_every_rank(backend: str, case: str) -> None:
-    # Each case hung until killed before init agreed on its settings across MPI ranks.
+    # Each case hung until killed before init agreed on its settings across MPI ranks (the
+    # store case: until the store's timeout).
     n = 3 if case in ("profile", "other_backend") else 2
     out = run_mpi(SCRIPTS / "init_bad_setting_one_rank.py", n, [backend, case], timeout=60).stdout
     lines = _results(out, "badset")
     assert len(lines) == n, out
+    kind = _RAISED_AS.get(case, "ValueError")
     for line in lines:
-        assert "ValueError" in line and _BAD_ONE_RANK[case] in line, out
+        assert f"{kind}: " in line and _BAD_ONE_RANK[case] in line, out
         rank = int(re.search(r"rank=(\d+)", line).group(1))  # type: ignore[union-attr]
-        if case != "other_backend" and rank != n - 1:  # the others say which rank had it
-            assert f"gradcomm.init failed on 1 of {n} ranks (rank {n - 1}: ValueError:" in line, out
+        if case not in ("other_backend", "store_one_rank") and rank != n - 1:  # name the rank
+            assert f"gradcomm.init failed on 1 of {n} ranks (rank {n - 1}: {kind}:" in line, out
     total = n * (n + 1) // 2
     assert sorted(_results(out, "after")) == [f"RESULT after rank={r} {total}" for r in range(n)]
+
+
+def test_a_process_local_communicator_on_one_rank_does_not_wait_for_the_others() -> None:
+    out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["local_only"], timeout=60).stdout
+    assert sorted(_results(out, "noagree")) == [
+        "RESULT noagree local_only rank=0 3", "RESULT noagree local_only rank=0 local [1.0, 1.0]",
+        "RESULT noagree local_only rank=1 3"], out
+
+
+def test_init_after_mpi4py_was_imported_without_mpi_init() -> None:
+    port = str(free_port())
+    out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["info_first", port], timeout=60).stdout
+    assert sorted(_results(out, "noagree")) == [
+        f"RESULT noagree info_first rank={r} [3.0, 3.0, 3.0]" for r in range(2)], out
+
+
+def test_torchrun_started_by_mpiexec_does_not_initialise_mpi() -> None:
+    # torchrun's variables win; its workers were not started by MPI, where PMI_Init fails
+    exe = require_mpi()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [exe, *_mpiexec_flags(exe), "-n", "1", sys.executable, "-m", "torch.distributed.run",
+           "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(SCRIPTS / "init_without_agreement.py"), "torchrun_inside"]
+    out = run_command(cmd, timeout=120, env=env).stdout
+    assert sorted(_results(out, "noagree")) == [
+        f"RESULT noagree torchrun_inside rank={r} [3.0, 3.0, 3.0] mpi4py=False"
+        for r in range(2)], out

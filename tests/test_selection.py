@@ -129,6 +129,14 @@ def test_timeouts_beyond_the_maximum_are_a_value_error_not_a_crash_in_gloo(huge:
         init("gloo", env={"GRADCOMM_TIMEOUT": repr(huge)})
 
 
+def test_numpy_and_huge_int_timeouts() -> None:
+    import numpy as np
+
+    assert resolve_timeout(np.float32(5), {}) == 5.0 and resolve_timeout(np.int64(7), {}) == 7.0
+    with pytest.raises(ValueError, match="positive, finite"):  # was an OverflowError
+        resolve_timeout(10**400, {})
+
+
 def test_the_largest_timeout_works_on_gloo() -> None:
     with init("gloo", timeout=1e9, env={}) as comm:
         t = torch.ones(3)
@@ -161,6 +169,21 @@ def test_profile_dir_that_is_a_file_raises_at_init(tmp_path: Path) -> None:
     with init("gloo", env={**env, "GRADCOMM_PROFILE_DIR": str(newdir)}) as comm:
         comm.all_reduce(torch.ones(2))
     assert (newdir / "gradcomm-trace-rank0.json").is_file()
+
+
+@pytest.mark.parametrize("below", ["afile/sub", "afile/sub/deeper"])
+def test_profile_dir_below_a_file_raises_at_init(tmp_path: Path, below: str) -> None:
+    (tmp_path / "afile").write_text("x")
+    env = {"GRADCOMM_PROFILE": "1", "GRADCOMM_PROFILE_DIR": str(tmp_path / below)}
+    with pytest.raises(ValueError, match=r"is below .*afile.*, which is not a directory"):
+        init("gloo", env=env)
+
+
+def test_profile_dir_that_cannot_be_made_is_a_value_error_at_init(tmp_path: Path) -> None:
+    # a name too long for the file system failed only when the trace was written, at close()
+    env = {"GRADCOMM_PROFILE": "1", "GRADCOMM_PROFILE_DIR": str(tmp_path / ("a" * 300))}
+    with pytest.raises(ValueError, match=r"GRADCOMM_PROFILE_DIR=.* cannot be used"):
+        init("gloo", env=env)
 
 
 def test_unknown_backend_names_its_source() -> None:

@@ -326,7 +326,7 @@ class Communicator(abc.ABC):
         numel = tensor.numel()
         if self._world_size == 1 or numel == 0:
             _check_writable(tensor, "all_reduce")
-            return CompletedWork()
+            return CompletedWork(target=tensor)
         buf = _plain(tensor, "all_reduce")
         desc = Description("all_reduce", next(self._seq), numel, tail, op, label)
         done = (
@@ -404,7 +404,7 @@ class Communicator(abc.ABC):
             raise ValueError(f"src must be in [0, {self._world_size}), got {src}")
         if self._world_size == 1 or tensor.numel() == 0:
             _check_writable(tensor, "broadcast")
-            return CompletedWork()
+            return CompletedWork(target=tensor)
         buf = _plain(tensor, "broadcast")
         done = (
             None
@@ -449,7 +449,7 @@ class Communicator(abc.ABC):
             _check_writable(output, "all_gather")
             with writing_into(output):
                 output.copy_(input.reshape(output.shape))
-            return CompletedWork()
+            return CompletedWork(target=output)
         src = _plain(input)
         out = _plain(output, "all_gather")
         if _overlap(src, out):
@@ -604,7 +604,7 @@ class Communicator(abc.ABC):
     def _finish(self, work: Work, async_op: bool, target: torch.Tensor | None) -> Work:
         """Wait unless ``async_op``; callbacks write into ``target`` (see :func:`writing_into`;
         None: under :func:`torch.no_grad`)."""
-        if work._callbacks:
+        if target is not None:  # also for callbacks the caller adds later (inference tensors)
             work._target = target
         work._on_timeout = self._stall_note
         if not async_op:

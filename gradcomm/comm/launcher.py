@@ -205,15 +205,19 @@ def detect_launch(
 
 
 def started_by_mpi_launcher(env: Mapping[str, str] | None = None) -> bool:
-    """Whether an MPI launcher (mpirun/mpiexec of Open MPI, MPICH/Hydra, Intel MPI, PMIx,
-    MVAPICH2) set this process's rank variable in ``env`` (default :data:`os.environ`).
+    """Whether the launcher :func:`detect_launch` reads this process's rank from is an MPI
+    launcher (mpirun/mpiexec of Open MPI, MPICH/Hydra, Intel MPI, PMIx, MVAPICH2).
 
-    Reads the variables only (no MPI import, no parsing), so it answers even where
+    The first launcher, in :func:`detect_launch`'s precedence, whose rank variable is set in
+    ``env`` (default :data:`os.environ`) decides: torchrun started by mpirun is torchrun. Reads
+    the variables only (no MPI import, no parsing), so it answers even where
     :func:`detect_launch` would raise on a malformed value.
     """
     env = os.environ if env is None else env
-    return any(launcher.is_mpi and env.get(rank_var, "").strip()
-               for launcher, rank_var, *_ in _LAUNCHER_VARS)
+    for launcher, rank_var, *_ in _LAUNCHER_VARS:
+        if env.get(rank_var, "").strip():
+            return launcher.is_mpi
+    return False
 
 
 def _store_address(env: Mapping[str, str]) -> tuple[str | None, int | None, bool]:

@@ -52,6 +52,8 @@ class BackendStatus:
 class _Entry:
     factory: BackendFactory
     check: BackendCheck
+    #: Device types the backend's collectives take (None: not declared, e.g. a registered one).
+    device_types: frozenset[str] | None = None
 
 
 def normalize_backend_name(name: str) -> str:
@@ -139,11 +141,12 @@ def _cupy_nccl_factory(
     return CupyNCCLCommunicator(launch, timeout=timeout, device=device)
 
 
+_CUDA = frozenset({"cuda"})
 _REGISTRY: dict[str, _Entry] = {
-    "gloo": _Entry(_gloo_factory, _gloo_check),
-    "mpi": _Entry(_mpi_factory, _mpi_check),
-    "nccl": _Entry(_nccl_factory, _nccl_check),
-    "cupy-nccl": _Entry(_cupy_nccl_factory, _cupy_nccl_check),
+    "gloo": _Entry(_gloo_factory, _gloo_check, frozenset({"cpu"})),
+    "mpi": _Entry(_mpi_factory, _mpi_check, frozenset({"cpu", "cuda"})),
+    "nccl": _Entry(_nccl_factory, _nccl_check, _CUDA),
+    "cupy-nccl": _Entry(_cupy_nccl_factory, _cupy_nccl_check, _CUDA),
 }
 
 
@@ -202,17 +205,32 @@ def _entry(name: str) -> tuple[str, _Entry]:
     return key, entry
 
 
-def check_backend(name: str) -> None:
+def check_backend(name: str, device: torch.device | None = None) -> None:
     """Raise what :func:`create_communicator` would raise before building anything.
 
+    Args:
+        name: backend name.
+        device: the device the communicator is asked for (None: its default); for the built-in
+            backends its type is checked against the types they take.
+
     Raises:
-        ValueError: unknown name. ImportError: missing package (the message has the pip command).
-        BackendUnavailableError: the machine lacks what the backend needs.
+        ValueError: unknown name, or a device type the backend does not take.
+        ImportError: missing package (the message has the pip command).
+        BackendUnavailableError: the machine lacks what the backend needs (a CUDA device asked
+            for where ``torch.cuda.is_available()`` is False included).
     """
-    _, entry = _entry(name)
+    key, entry = _entry(name)
     problem = entry.check()
     if problem is not None:
         raise problem
+    if device is None:
+        return
+    if entry.device_types is not None and device.type not in entry.device_types:
+        raise ValueError(f"the {key} backend works on {' or '.join(sorted(entry.device_types))} "
+                         f"tensors, not {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailableError(f"the {key} backend was asked for {device}, but "
+                                      "torch.cuda.is_available() is False")
 
 
 def create_communicator(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,10 +18,12 @@ import torch
 
 from .communicator import Communicator
 from .env_flag import env_flag
+from .errors import BackendUnavailableError
 from .launcher import LaunchInfo, detect_launch, started_by_mpi_launcher
 from .mpi_abort import ABORT_ENV_VAR, install_abort_hook
 from .registry import (
     available_backends,
+    check_backend,
     create_communicator,
     known_backends,
     normalize_backend_name,
@@ -99,9 +102,12 @@ def resolve_timeout(timeout: float | None = None, env: Mapping[str, str] | None 
             value = float(raw)
         except ValueError:
             raise ValueError(f"GRADCOMM_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are fine
         raise TypeError(f"timeout must be a number of seconds, got {type(value).__name__}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond float's range
+        seconds = math.inf
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{source} must be a positive, finite number of seconds, got {value!r}")
     if seconds > MAX_TIMEOUT:
@@ -126,31 +132,49 @@ def _checked_device(device: object) -> torch.device | None:
         raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
 
 
-def _agree_across_mpi_ranks(
-    env: Mapping[str, str], problem: TypeError | ValueError | None, backend: str | None
-) -> None:
-    """Under an MPI launcher, make a bad setting on any rank raise on every rank.
+#: Exception types another rank's init error is raised as here (by name); others: RuntimeError.
+_RAISED_AS: dict[str, type[Exception]] = {
+    "TypeError": TypeError, "ValueError": ValueError, "OverflowError": ValueError,
+    "ImportError": ImportError, "ModuleNotFoundError": ImportError,
+    "BackendUnavailableError": BackendUnavailableError,
+}
 
-    The ranks all-gather (error or None, backend name) with mpi4py before anything else talks to
-    MPI. Without this, a rank whose ``GRADCOMM_*`` value or argument was bad raised alone while
-    the others went on into the backend's first MPI collective (or the rendezvous through MPI)
-    and waited there forever. Skipped -- the problem, if any, raised on this rank only, as before
-    -- outside an MPI launcher (torchrun ends the job itself; a store rendezvous times out), with
-    one rank, or without mpi4py. Importing mpi4py initialises MPI, so the abort hook
-    (``GRADCOMM_MPI_ABORT_ON_ERROR``, on unless set off) is installed first.
+
+def _joins_mpi_agreement(
+    env: Mapping[str, str], rank: object, world_size: object
+) -> bool:
+    """Whether :func:`init` all-gathers its settings: started by an MPI launcher (which wins the
+    launcher precedence, so not torchrun started by mpirun) and no explicit placement (a rank
+    may build a communicator of its own, e.g. ``rank=0, world_size=1``, without the others)."""
+    return rank is None and world_size is None and started_by_mpi_launcher(env)
+
+
+def _agree_across_mpi_ranks(problem: Exception | None, mine: tuple[object, ...]) -> None:
+    """Make a setting that is bad on any rank raise on every rank (see :func:`init`).
+
+    The ranks all-gather (error or None, ``mine``) on ``MPI.COMM_WORLD``. Without this, a rank
+    whose ``GRADCOMM_*`` value or argument was bad raised alone while the others went on into the
+    backend's first MPI collective (or the rendezvous through MPI) and waited there forever.
+    ``mine`` is (backend name, store address) and must agree too. Skipped -- ``problem``, if
+    any, is raised on this rank only -- without mpi4py, with one MPI rank, or after MPI_Finalize.
+    Initialises MPI (also where mpi4py was imported with ``mpi4py.rc.initialize = False``) and
+    installs the abort hook unless ``GRADCOMM_MPI_ABORT_ON_ERROR`` is off.
 
     Raises:
-        TypeError, ValueError: ``problem`` on this rank; on the others the same type, naming
-            the rank(s) and their messages.
-        ValueError: the ranks chose different backends.
+        Exception: ``problem`` on this rank; on the others the same kind (TypeError, ValueError,
+            ImportError, BackendUnavailableError; RuntimeError for anything else), naming the
+            rank(s) and their messages.
+        ValueError: the ranks chose different backends or store addresses.
     """
     world = None
-    if started_by_mpi_launcher(env):
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            pass
-        else:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        pass
+    else:
+        if not MPI.Is_finalized():
+            if not MPI.Is_initialized():
+                MPI.Init_thread()
             world = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
     if world is None:
         if problem is not None:
@@ -162,22 +186,27 @@ def _agree_across_mpi_ranks(
         abort = True  # the bad value itself is `problem`: raise it on every rank, then abort
     if abort:
         install_abort_hook()
-    mine = (None if problem is None else (type(problem).__name__, str(problem)), backend)
-    views = world.allgather(mine)
+    views = world.allgather(
+        (None if problem is None else (type(problem).__name__, str(problem)), mine)
+    )
     failed = [(r, p) for r, (p, _) in enumerate(views) if p is not None]
     if failed:
         if problem is not None:
             raise problem
-        kind = TypeError if failed[0][1][0] == "TypeError" else ValueError
+        kind = _RAISED_AS.get(failed[0][1][0], RuntimeError)
         details = "; ".join(f"rank {r}: {name}: {msg}" for r, (name, msg) in failed[:4])
         more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
         raise kind(f"gradcomm.init failed on {len(failed)} of {len(views)} ranks "
                    f"({details}{more}); raised on every rank so that none waits for the others")
-    names = {name for _, name in views}
-    if len(names) > 1:
-        chosen = "; ".join(f"rank {r}: {name}" for r, (_, name) in enumerate(views[:8]))
-        raise ValueError(f"the ranks chose different backends ({chosen}); pass the same backend "
-                         "or set the same GRADCOMM_BACKEND on every rank")
+    for i, what, fix in ((0, "backends", "pass the same backend or set the same GRADCOMM_BACKEND"),
+                         (1, "store addresses (MASTER_ADDR, MASTER_PORT; None: through MPI)",
+                          "set MASTER_ADDR and MASTER_PORT alike on every rank, or on none")):
+        seen = [v[1][i] for v in views]
+        if i == 1 and seen and views[0][1][0] == "mpi":
+            break  # the mpi backend uses no store
+        if len(set(seen)) > 1:
+            chosen = "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen[:8]))
+            raise ValueError(f"the ranks chose different {what} ({chosen}); {fix}")
 
 
 def init(
@@ -221,44 +250,54 @@ def init(
             (not positive, not finite, or over :data:`MAX_TIMEOUT`), ranks out of range, a
             device string torch does not know, a ``GRADCOMM_PROFILE``,
             ``GRADCOMM_MPI_ABORT_ON_ERROR`` or ``GRADCOMM_MPI_CUDA_AWARE`` value that is neither
-            on nor off, a ``GRADCOMM_PROFILE_DIR`` that is a file, or ranks that chose different
-            backends.
+            on nor off, a ``GRADCOMM_PROFILE_DIR`` that is (or lies below) a file or cannot be
+            made, a device type the backend does not take, or ranks that chose different
+            backends or store addresses.
 
-    Under an MPI launcher (mpirun/mpiexec) with more than one rank and mpi4py installed, the
-    ranks first all-gather whether their settings were valid, so a TypeError or ValueError
-    caused by one rank's arguments or environment is raised on every rank (MPI is initialised
-    by then, and the ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed). Elsewhere it is raised on
-    the rank that has it; torchrun ends such a job, a store rendezvous times out.
+    Under an MPI launcher (mpirun/mpiexec; torchrun started by mpirun is torchrun) with more
+    than one rank, mpi4py installed and no explicit ``rank``/``world_size``, the ranks first
+    all-gather whether their settings were valid, which backend they chose and their store
+    address, so an error caused by one rank's arguments or environment is raised on every rank
+    (the others raise the same kind, naming the rank; MPI is initialised by then, and the
+    ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed). Elsewhere it is raised on the rank that
+    has it; torchrun ends such a job, a store rendezvous times out.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed.
     """
-    if env is None:
-        env = os.environ
-    elif not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise TypeError(f"env must be a mapping of str to str (like os.environ), got {env!r}")
     from ..profiler import attach_from_env, profile_requested, trace_dir_from_env  # lazy
 
     # Each rank checks its own settings; under an MPI launcher the ranks then agree, so that a
     # value that is bad on one rank only raises on all of them (not: raise here, hang there).
+    launch_env: Mapping[str, str] = os.environ
     try:
+        if env is not None:
+            if not isinstance(env, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+            ):
+                raise TypeError(
+                    f"env must be a mapping of str to str (like os.environ), got {env!r}"
+                )
+            launch_env = env
         device = _checked_device(device)
-        choice = select_backend(backend, env)
-        seconds = resolve_timeout(timeout, env)
+        choice = select_backend(backend, launch_env)
+        seconds = resolve_timeout(timeout, launch_env)
         launch: LaunchInfo = detect_launch(
-            env, rank=rank, world_size=world_size, local_rank=local_rank
+            launch_env, rank=rank, world_size=world_size, local_rank=local_rank
         )
-        profiling = profile_requested(env)
+        profiling = profile_requested(launch_env)
         if profiling:
-            trace_dir_from_env(env)
+            trace_dir_from_env(launch_env, create=True)
         for name in _PROCESS_SWITCHES:  # read later, where they apply; a typo raises now
             env_flag(name, None)
-    except (TypeError, ValueError) as exc:
-        _agree_across_mpi_ranks(env, exc, None)  # raises, on every rank under an MPI launcher
+        check_backend(choice.name, device)  # a missing package or GPU, a wrong device type
+    except Exception as exc:
+        if _joins_mpi_agreement(launch_env, rank, world_size):
+            _agree_across_mpi_ranks(exc, ())  # raises, on every rank
         raise
-    _agree_across_mpi_ranks(env, None, choice.name)
+    if _joins_mpi_agreement(launch_env, rank, world_size):
+        _agree_across_mpi_ranks(None, (choice.name, (launch.master_addr, launch.master_port)))
+    env = launch_env
     logger.debug(
         "init: backend %s (%s), rank %d/%d, local_rank %d, launcher %s, timeout %.1f s",
         choice.name, choice.reason, launch.rank, launch.world_size, launch.local_rank,

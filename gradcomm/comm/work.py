@@ -130,30 +130,22 @@ class Work(abc.ABC):
 
         Its return value is ignored (so ``lambda: tensor.div_(n)`` is fine). It runs under
         :func:`torch.no_grad` (:func:`torch.inference_mode` when the collective's tensor is an
-        inference tensor), so it may update tensors in place that autograd would refuse. If it
-        raises, the callbacks after it still run, and :meth:`wait` raises the first such error
-        (every time it is called). On a work that has already completed -- one that issued no
-        collective (world_size 1, an empty tensor), or one an MPI communicator finished while
-        finishing a later collective -- ``fn`` runs at once, as a callback added to a completed
-        ``torch.futures.Future`` does; if it raises, ``add_callback`` raises that error and
-        :meth:`wait` raises it again.
+        inference tensor), so it may update tensors in place that autograd would refuse. On a
+        work that has already completed -- one that issued no collective (world_size 1, an
+        empty tensor), or one an MPI communicator finished while finishing a later collective --
+        ``fn`` runs at once, as a callback added to a completed ``torch.futures.Future`` does.
+        Either way, an error ``fn`` raises is not raised here: the callbacks after it still run,
+        and :meth:`wait` raises the first error any callback raised (every time it is called).
 
         Raises:
             TypeError: ``fn`` is not callable.
-            Exception: on a completed work, whatever ``fn`` raised.
         """
         if not callable(fn):
             raise TypeError(f"add_callback takes a callable, got {type(fn).__name__} {fn!r}")
-        if not self._done:
-            self._callbacks.append(fn)
-            return
-        with self._callback_context():
-            try:
-                fn()
-            except Exception as exc:
-                if self._error is None:
-                    self._error = exc
-                raise
+        self._callbacks.append(fn)
+        if self._done:
+            with contextlib.suppress(Exception):  # kept in self._error: wait() raises it
+                self._run_callbacks()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the collective is complete and its result is in the tensor.
@@ -244,9 +236,15 @@ class Work(abc.ABC):
 class CompletedWork(Work):
     """A :class:`Work` that is complete from the start (synchronous ops, world_size 1)."""
 
-    def __init__(self, description: str = "completed collective") -> None:
+    def __init__(
+        self, description: str = "completed collective", *, target: torch.Tensor | None = None
+    ) -> None:
+        """``target``: the caller's tensor, which callbacks added later write into (they then run
+        under :func:`torch.inference_mode` for an inference tensor, as on other works)."""
         super().__init__(description, None)
         self._done = True
+        if target is not None:
+            self._target = target
 
     def _wait(self, timeout: float | None) -> None:
         return None

@@ -26,6 +26,10 @@ CASES = {
     "timeout_arg": (None, -1.0),
     "device_arg": (None, "tpu"),
     "other_backend": ("GRADCOMM_BACKEND", "other"),  # valid, but not what the others chose
+    "device_meta": (None, "meta"),  # a device type the backend does not take
+    "env_arg": (None, {"A": 1}),  # not a mapping of str to str
+    "timeout_int": (None, 10**400),  # beyond float's range
+    "store_one_rank": ("MASTER_ADDR", "127.0.0.1"),  # a store address on one rank only
 }
 
 
@@ -47,10 +51,14 @@ def main() -> None:
             chosen = None
         elif var is not None:
             os.environ[var] = str(bad)
-        elif case == "timeout_arg":
+        elif case in ("timeout_arg", "timeout_int"):
             kwargs["timeout"] = bad
+        elif case == "env_arg":
+            kwargs["env"] = bad
         else:
             kwargs["device"] = bad
+        if case == "store_one_rank":
+            os.environ["MASTER_PORT"] = "29517"
     try:
         comm = gradcomm.init(chosen, **kwargs)  # type: ignore[arg-type]
         print(f"RESULT badset rank={rank} no error", flush=True)

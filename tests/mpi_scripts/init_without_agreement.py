@@ -1,0 +1,58 @@
+"""Where ``gradcomm.init`` must NOT run its MPI settings agreement (or must survive mpi4py being
+imported without MPI_Init), under an MPI launcher.
+
+Usage: ``mpiexec -n N python init_without_agreement.py CASE``, except ``torchrun_inside``,
+which is started as ``mpiexec -n 1 torchrun --nproc-per-node 2 ... init_without_agreement.py
+torchrun_inside``. Prints ``RESULT noagree <case> rank=<r> <value>``.
+
+* ``local_only``: rank 0 alone builds a process-local communicator (``rank=0, world_size=1``);
+  the agreement on COMM_WORLD would wait forever for ranks that never call init.
+* ``torchrun_inside``: torchrun started by mpiexec; torchrun's variables win, and the workers,
+  which MPI did not start, must not initialise MPI (PMI_Init fails there).
+* ``info_first``: ``gradcomm.info.collect_info()`` (imports mpi4py without initialising MPI),
+  then ``gradcomm.init("gloo")`` with a store address: the agreement initialises MPI itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import gradcomm
+
+
+def main() -> None:
+    case = sys.argv[1]
+    if case == "torchrun_inside":
+        with gradcomm.init("gloo", timeout=30) as comm:
+            t = torch.full((3,), float(comm.rank + 1))
+            comm.all_reduce(t)
+            mpi = "mpi4py" in sys.modules
+            print(f"RESULT noagree {case} rank={comm.rank} {t.tolist()} mpi4py={mpi}", flush=True)
+        return
+    if case == "info_first":
+        from gradcomm.info import collect_info
+
+        collect_info()
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", sys.argv[2]
+        with gradcomm.init("gloo", timeout=30) as comm:
+            t = torch.full((3,), float(comm.rank + 1))
+            comm.all_reduce(t)
+            print(f"RESULT noagree {case} rank={comm.rank} {t.tolist()}", flush=True)
+        return
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    if case == "local_only" and rank == 0:
+        with gradcomm.init("gloo", rank=0, world_size=1, timeout=30) as comm:
+            t = torch.ones(2)
+            comm.all_reduce(t)
+            print(f"RESULT noagree {case} rank={rank} local {t.tolist()}", flush=True)
+    total = MPI.COMM_WORLD.allreduce(rank + 1)
+    print(f"RESULT noagree {case} rank={rank} {total}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
