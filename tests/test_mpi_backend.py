@@ -38,7 +38,7 @@ def test_collectives_every_op_and_dtype(n: int) -> None:
     out = run_mpi(SCRIPTS / "mpi_backend_collectives.py", n, timeout=60).stdout
     lines = _results(out, "ok")
     assert sorted(lines) == sorted(
-        f"RESULT ok rank={r} world={n} checks=119" for r in range(n)
+        f"RESULT ok rank={r} world={n} checks=120" for r in range(n)
     ), out
 
 
@@ -217,6 +217,8 @@ _BAD_ONE_RANK = {  # case: what every rank's message must contain
     "env_arg": "env must be a mapping of str to str",
     "timeout_int": "timeout must be a positive, finite number",
     "store_one_rank": "the ranks chose different store addresses",
+    "rank_out_of_range": "rank must be in [0, ",
+    "rank_without_size": "give rank and world_size together",
 }
 _RAISED_AS = {"env_arg": "TypeError"}  # the rest: ValueError
 
@@ -271,3 +273,25 @@ def test_torchrun_started_by_mpiexec_does_not_initialise_mpi() -> None:
     assert sorted(_results(out, "noagree")) == [
         f"RESULT noagree torchrun_inside rank={r} [3.0, 3.0, 3.0] mpi4py=False"
         for r in range(2)], out
+
+
+def test_a_rank_that_never_joins_the_settings_check_is_a_timeout_not_a_hang() -> None:
+    start = time.monotonic()
+    out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["local_vs_global"], timeout=60,
+                  check=False).stdout
+    lines = sorted(_results(out, "noagree"))
+    assert lines[0].startswith("RESULT noagree local_vs_global rank=0 CollectiveTimeoutError: "
+                               "gradcomm.init: not every rank reached the settings check "
+                               "within 3 s"), out
+    assert lines[1] == "RESULT noagree local_vs_global rank=1 world=1", out
+    assert time.monotonic() - start < 45, out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_correct_placement_given_on_one_rank_only_still_works(backend: str) -> None:
+    # the rank with rank=/world_size= used to skip the settings check while the others ran it:
+    # their collectives paired with the wrong ones (IndexError/ValueError on mpi, a hang on gloo)
+    out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["explicit_on_one_rank", backend],
+                  timeout=60).stdout
+    assert sorted(_results(out, "noagree")) == [
+        f"RESULT noagree explicit_on_one_rank rank={r} [3.0, 3.0]" for r in range(2)], out

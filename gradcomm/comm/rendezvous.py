@@ -4,8 +4,9 @@ Order of preference:
 
 1. ``MASTER_ADDR`` and ``MASTER_PORT`` set (torchrun sets them; users may): a
    :class:`torch.distributed.TCPStore` there. Under torchrun's agent store rank 0 joins as a client.
-2. Started by an MPI launcher with neither set: rank 0 opens a TCPStore on a free port (the OS picks
-   it, so there is no race) and broadcasts ``(address, port)`` to the other ranks with mpi4py.
+2. Started by an MPI launcher with neither set (also with an explicit rank and world size, which
+   must then match MPI's): rank 0 opens a TCPStore on a free port (the OS picks it, so there is
+   no race) and broadcasts ``(address, port)`` to the other ranks with mpi4py.
 3. world_size 1: an in-memory :class:`torch.distributed.HashStore` (no collective is ever issued).
 
 Each communicator gets its own key prefix, so it never collides with a user's default process
@@ -20,7 +21,7 @@ import socket
 
 import torch.distributed as dist
 
-from .launcher import LaunchInfo, check_launch_matches_mpi
+from .launcher import Launcher, LaunchInfo, check_launch_matches_mpi, started_by_mpi_launcher
 from .mpi_abort import abort_on_error_enabled, install_abort_hook
 
 __all__ = ["create_store"]
@@ -94,7 +95,9 @@ def create_store(launch: LaunchInfo, timeout: float | None, backend: str) -> dis
             launch.master_addr, launch.master_port, launch.world_size,
             launch.rank == 0 and not launch.agent_store, timeout=td,
         )
-    elif launch.launcher.is_mpi:
+    elif launch.launcher.is_mpi or (
+        launch.launcher is Launcher.EXPLICIT and started_by_mpi_launcher()
+    ):  # explicit rank/world_size under mpirun: checked against MPI's in _store_via_mpi
         store = _store_via_mpi(launch, td)
     else:
         raise RuntimeError(

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .agreement import agree_on_settings, joins_agreement
 from .communicator import Communicator
 from .env_flag import env_flag
-from .errors import BackendUnavailableError
-from .launcher import LaunchInfo, detect_launch, started_by_mpi_launcher
-from .mpi_abort import ABORT_ENV_VAR, install_abort_hook
+from .launcher import LaunchInfo, detect_launch
+from .mpi_abort import ABORT_ENV_VAR
 from .registry import (
     available_backends,
     check_backend,
@@ -116,6 +116,15 @@ def resolve_timeout(timeout: float | None = None, env: Mapping[str, str] | None 
     return seconds
 
 
+def timeout_or_default(timeout: object, env: Mapping[str, str]) -> float:
+    """:func:`resolve_timeout`'s answer, or :data:`DEFAULT_TIMEOUT` where it would raise (for
+    waits that must end even when this rank's timeout setting is the bad one)."""
+    try:
+        return resolve_timeout(timeout, env)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return DEFAULT_TIMEOUT
+
+
 def _checked_device(device: object) -> torch.device | None:
     """``init``'s ``device`` argument as a torch.device (None stays None), checked at the edge.
 
@@ -130,83 +139,6 @@ def _checked_device(device: object) -> torch.device | None:
         return torch.device(device)
     except RuntimeError as exc:  # torch's message lists the device types it knows
         raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
-
-
-#: Exception types another rank's init error is raised as here (by name); others: RuntimeError.
-_RAISED_AS: dict[str, type[Exception]] = {
-    "TypeError": TypeError, "ValueError": ValueError, "OverflowError": ValueError,
-    "ImportError": ImportError, "ModuleNotFoundError": ImportError,
-    "BackendUnavailableError": BackendUnavailableError,
-}
-
-
-def _joins_mpi_agreement(
-    env: Mapping[str, str], rank: object, world_size: object
-) -> bool:
-    """Whether :func:`init` all-gathers its settings: started by an MPI launcher (which wins the
-    launcher precedence, so not torchrun started by mpirun) and no explicit placement (a rank
-    may build a communicator of its own, e.g. ``rank=0, world_size=1``, without the others)."""
-    return rank is None and world_size is None and started_by_mpi_launcher(env)
-
-
-def _agree_across_mpi_ranks(problem: Exception | None, mine: tuple[object, ...]) -> None:
-    """Make a setting that is bad on any rank raise on every rank (see :func:`init`).
-
-    The ranks all-gather (error or None, ``mine``) on ``MPI.COMM_WORLD``. Without this, a rank
-    whose ``GRADCOMM_*`` value or argument was bad raised alone while the others went on into the
-    backend's first MPI collective (or the rendezvous through MPI) and waited there forever.
-    ``mine`` is (backend name, store address) and must agree too. Skipped -- ``problem``, if
-    any, is raised on this rank only -- without mpi4py, with one MPI rank, or after MPI_Finalize.
-    Initialises MPI (also where mpi4py was imported with ``mpi4py.rc.initialize = False``) and
-    installs the abort hook unless ``GRADCOMM_MPI_ABORT_ON_ERROR`` is off.
-
-    Raises:
-        Exception: ``problem`` on this rank; on the others the same kind (TypeError, ValueError,
-            ImportError, BackendUnavailableError; RuntimeError for anything else), naming the
-            rank(s) and their messages.
-        ValueError: the ranks chose different backends or store addresses.
-    """
-    world = None
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        pass
-    else:
-        if not MPI.Is_finalized():
-            if not MPI.Is_initialized():
-                MPI.Init_thread()
-            world = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
-    if world is None:
-        if problem is not None:
-            raise problem
-        return
-    try:
-        abort = env_flag(ABORT_ENV_VAR, True)
-    except ValueError:
-        abort = True  # the bad value itself is `problem`: raise it on every rank, then abort
-    if abort:
-        install_abort_hook()
-    views = world.allgather(
-        (None if problem is None else (type(problem).__name__, str(problem)), mine)
-    )
-    failed = [(r, p) for r, (p, _) in enumerate(views) if p is not None]
-    if failed:
-        if problem is not None:
-            raise problem
-        kind = _RAISED_AS.get(failed[0][1][0], RuntimeError)
-        details = "; ".join(f"rank {r}: {name}: {msg}" for r, (name, msg) in failed[:4])
-        more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
-        raise kind(f"gradcomm.init failed on {len(failed)} of {len(views)} ranks "
-                   f"({details}{more}); raised on every rank so that none waits for the others")
-    for i, what, fix in ((0, "backends", "pass the same backend or set the same GRADCOMM_BACKEND"),
-                         (1, "store addresses (MASTER_ADDR, MASTER_PORT; None: through MPI)",
-                          "set MASTER_ADDR and MASTER_PORT alike on every rank, or on none")):
-        seen = [v[1][i] for v in views]
-        if i == 1 and seen and views[0][1][0] == "mpi":
-            break  # the mpi backend uses no store
-        if len(set(seen)) > 1:
-            chosen = "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen[:8]))
-            raise ValueError(f"the ranks chose different {what} ({chosen}); {fix}")
 
 
 def init(
@@ -255,15 +187,19 @@ def init(
             backends or store addresses.
 
     Under an MPI launcher (mpirun/mpiexec; torchrun started by mpirun is torchrun) with more
-    than one rank, mpi4py installed and no explicit ``rank``/``world_size``, the ranks first
-    all-gather whether their settings were valid, which backend they chose and their store
-    address, so an error caused by one rank's arguments or environment is raised on every rank
-    (the others raise the same kind, naming the rank; MPI is initialised by then, and the
-    ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed). Elsewhere it is raised on the rank that
-    has it; torchrun ends such a job, a store rendezvous times out.
+    than one rank and mpi4py installed, the ranks first all-gather whether their settings were
+    valid, which backend they chose and their store address (:mod:`gradcomm.comm.agreement`),
+    so an error caused by one rank's arguments or environment is raised on every rank (the
+    others raise the same kind, naming the rank; MPI is initialised by then, and the
+    ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed), and a rank that never arrives is a
+    :class:`CollectiveTimeoutError` after ``timeout``. ``world_size=1`` or an ``env`` without
+    the launcher's variables (a process-local communicator) skips it. Elsewhere an error is
+    raised on the rank that has it; torchrun ends such a job, a store rendezvous times out.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed.
+        CollectiveTimeoutError: under an MPI launcher, not every rank reached the settings
+            check within ``timeout``.
     """
     from ..profiler import attach_from_env, profile_requested, trace_dir_from_env  # lazy
 
@@ -292,11 +228,11 @@ def init(
             env_flag(name, None)
         check_backend(choice.name, device)  # a missing package or GPU, a wrong device type
     except Exception as exc:
-        if _joins_mpi_agreement(launch_env, rank, world_size):
-            _agree_across_mpi_ranks(exc, ())  # raises, on every rank
+        if joins_agreement(env, world_size):
+            agree_on_settings(exc, None, timeout_or_default(timeout, launch_env))  # raises
         raise
-    if _joins_mpi_agreement(launch_env, rank, world_size):
-        _agree_across_mpi_ranks(None, (choice.name, (launch.master_addr, launch.master_port)))
+    if joins_agreement(env, world_size):
+        agree_on_settings(None, (choice.name, launch.master_addr, launch.master_port), seconds)
     env = launch_env
     logger.debug(
         "init: backend %s (%s), rank %d/%d, local_rank %d, launcher %s, timeout %.1f s",

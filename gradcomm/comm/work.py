@@ -98,6 +98,8 @@ class Work(abc.ABC):
     #: Told when a wait times out (set by the Communicator, which then refuses new collectives
     #: while this one is still pending).
     _on_timeout: Callable[[Work], None] | None = None
+    #: True while the callbacks run (a callback that adds one queues it behind the others).
+    _running = False
 
     def __init__(self, description: DescriptionLike, timeout: float | None) -> None:
         self._description = description
@@ -216,15 +218,23 @@ class Work(abc.ABC):
         return torch.no_grad() if target is None else writing_into(target)
 
     def _run_callbacks(self) -> None:
-        """Run and drop the pending callbacks; raise the first error any callback ever raised."""
-        callbacks, self._callbacks = self._callbacks, []
-        with self._callback_context():
-            for fn in callbacks:
-                try:
-                    fn()
-                except Exception as exc:  # noqa: BLE001 - re-raised after the later callbacks ran
-                    if self._error is None:
-                        self._error = exc
+        """Run and drop the pending callbacks, oldest first; raise the first error any callback
+        ever raised. A callback added by a running one joins the end of the queue (it runs after
+        the callbacks added before it, as documented)."""
+        if self._running:
+            return  # the loop below, further up the stack, runs it in turn
+        self._running = True
+        try:
+            with self._callback_context():
+                while self._callbacks:
+                    fn = self._callbacks.pop(0)
+                    try:
+                        fn()
+                    except Exception as exc:  # noqa: BLE001 - re-raised after the later ones ran
+                        if self._error is None:
+                            self._error = exc
+        finally:
+            self._running = False
         if self._error is not None:
             raise self._error
 

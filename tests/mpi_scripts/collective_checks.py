@@ -214,4 +214,17 @@ def check_callbacks_on_completed_works(comm: Communicator) -> int:
     first.wait()
     total = float(sum(range(1, comm.world_size + 1)))
     assert ran == ["empty", f"late {[total] * 3}"], ran
-    return 1
+    # a callback added by a running callback runs after those added before it
+    order: list[str] = []
+    pending = comm.all_reduce(torch.ones(4), async_op=True)
+
+    def first() -> None:
+        order.append("A")
+        pending.add_callback(lambda: order.append("B"))
+
+    pending.add_callback(first)
+    pending.add_callback(lambda: order.append("C"))
+    pending.wait()
+    pending.add_callback(lambda: order.append("D"))  # complete: at once
+    assert order == ["A", "C", "B", "D"], order
+    return 2

@@ -30,6 +30,8 @@ CASES = {
     "env_arg": (None, {"A": 1}),  # not a mapping of str to str
     "timeout_int": (None, 10**400),  # beyond float's range
     "store_one_rank": ("MASTER_ADDR", "127.0.0.1"),  # a store address on one rank only
+    "rank_out_of_range": (None, 5),  # explicit rank=5 (with world_size) on one rank only
+    "rank_without_size": (None, "x"),  # explicit rank alone on one rank only
 }
 
 
@@ -55,6 +57,10 @@ def main() -> None:
             kwargs["timeout"] = bad
         elif case == "env_arg":
             kwargs["env"] = bad
+        elif case == "rank_out_of_range":
+            kwargs["rank"], kwargs["world_size"] = bad, int(os.environ["PMI_SIZE"])
+        elif case == "rank_without_size":
+            kwargs["rank"] = bad
         else:
             kwargs["device"] = bad
         if case == "store_one_rank":

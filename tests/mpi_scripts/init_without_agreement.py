@@ -9,6 +9,11 @@ torchrun_inside``. Prints ``RESULT noagree <case> rank=<r> <value>``.
   the agreement on COMM_WORLD would wait forever for ranks that never call init.
 * ``torchrun_inside``: torchrun started by mpiexec; torchrun's variables win, and the workers,
   which MPI did not start, must not initialise MPI (PMI_Init fails there).
+* ``local_vs_global``: rank 1 builds a process-local communicator (an ``env`` without the
+  launcher's variables) while rank 0 builds a job-wide one: rank 0 raises CollectiveTimeoutError
+  after its 3 s timeout instead of waiting forever.
+* ``explicit_on_one_rank BACKEND``: the last rank passes its (correct) rank and world size,
+  the others pass nothing: all take part in the settings check, and the job works.
 * ``info_first``: ``gradcomm.info.collect_info()`` (imports mpi4py without initialising MPI),
   then ``gradcomm.init("gloo")`` with a store address: the agreement initialises MPI itself.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -39,6 +45,31 @@ def main() -> None:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", sys.argv[2]
         with gradcomm.init("gloo", timeout=30) as comm:
             t = torch.full((3,), float(comm.rank + 1))
+            comm.all_reduce(t)
+            print(f"RESULT noagree {case} rank={comm.rank} {t.tolist()}", flush=True)
+        return
+    if case == "local_vs_global":  # rank 1 builds a process-local communicator, rank 0 waits
+        from mpi4py import MPI  # every rank initialises MPI (else rank 0 waits in MPI_Init)
+
+        rank = MPI.COMM_WORLD.Get_rank()
+        try:
+            if rank == 1:
+                comm = gradcomm.init(env={"GRADCOMM_BACKEND": "gloo"})
+            else:
+                comm = gradcomm.init("gloo", timeout=3)
+            print(f"RESULT noagree {case} rank={rank} world={comm.world_size}", flush=True)
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 - the test checks type and message
+            print(f"RESULT noagree {case} rank={rank} {type(exc).__name__}: {exc}", flush=True)
+        if rank == 1:
+            time.sleep(6)  # stay until rank 0's timeout has fired
+        return
+    if case == "explicit_on_one_rank":  # valid placement given on the last rank only
+        last = os.environ["PMI_RANK"] == str(int(os.environ["PMI_SIZE"]) - 1)
+        size = int(os.environ["PMI_SIZE"])
+        placement = {"rank": int(os.environ["PMI_RANK"]), "world_size": size} if last else {}
+        with gradcomm.init(sys.argv[2], timeout=30, **placement) as comm:  # type: ignore[arg-type]
+            t = torch.full((2,), float(comm.rank + 1))
             comm.all_reduce(t)
             print(f"RESULT noagree {case} rank={comm.rank} {t.tolist()}", flush=True)
         return

@@ -1,0 +1,149 @@
+"""``gradcomm.init``'s settings check across the ranks of an MPI job.
+
+Each rank checks its own arguments and ``GRADCOMM_*`` values; under an MPI launcher the ranks then
+all-gather the outcome (and the backend and store address each chose) on ``MPI.COMM_WORLD``, so
+that a value bad on one rank only raises on every rank instead of leaving the others waiting in
+the backend's first MPI collective. The all-gather is non-blocking and polled, so a rank that
+never arrives (it died, did not call ``init``, or built a process-local communicator) turns into
+:class:`~gradcomm.CollectiveTimeoutError` after the communicator's timeout, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .env_flag import env_flag
+from .errors import BackendUnavailableError, CollectiveTimeoutError
+from .launcher import started_by_mpi_launcher
+from .mpi_abort import ABORT_ENV_VAR, install_abort_hook
+
+__all__ = ["agree_on_settings", "joins_agreement"]
+
+#: Exception types another rank's init error is raised as here (by name); others: RuntimeError.
+_RAISED_AS: dict[str, type[Exception]] = {
+    "TypeError": TypeError, "ValueError": ValueError, "OverflowError": ValueError,
+    "ImportError": ImportError, "ModuleNotFoundError": ImportError,
+    "BackendUnavailableError": BackendUnavailableError,
+}
+_POLL_S = 0.0005
+
+
+def _is_str_mapping(env: object) -> bool:
+    return isinstance(env, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    )
+
+
+def joins_agreement(env: object, world_size: object) -> bool:
+    """Whether :func:`gradcomm.init` with these arguments takes part in the settings check.
+
+    Yes when the launcher it reads (``env`` if that is a mapping of strings, else os.environ,
+    so a malformed ``env`` is still checked with the others) is an MPI launcher that wins the
+    launcher precedence (torchrun started by mpirun is torchrun), unless ``world_size=1`` asks
+    for a process-local communicator, which one rank may build alone.
+    """
+    source = env if _is_str_mapping(env) else os.environ
+    if not started_by_mpi_launcher(source):  # type: ignore[arg-type]
+        return False
+    return not (type(world_size) is int and world_size == 1)
+
+
+def _wait(request: Any, deadline: float, timeout: float, rank: int, size: int) -> None:
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"gradcomm.init: not every rank reached the settings check within {timeout:g} s "
+                f"(MPI rank {rank} of {size}); a rank may have died, not called gradcomm.init, "
+                "or called it for a process-local communicator (world_size=1, or an env without "
+                "the launcher's variables) while the others build a job-wide one"
+            )
+        time.sleep(_POLL_S)
+
+
+def _allgather_bytes(world: Any, payload: bytes, timeout: float) -> list[bytes]:
+    """Every rank's ``payload``, in rank order; CollectiveTimeoutError after ``timeout`` s."""
+    import numpy as np
+    from mpi4py import MPI
+
+    rank, size = world.Get_rank(), world.Get_size()
+    deadline = time.monotonic() + timeout
+    sizes = np.zeros(size, dtype=np.int64)
+    _wait(world.Iallgather(np.array([len(payload)], dtype=np.int64), sizes), deadline,
+          timeout, rank, size)
+    counts = [int(n) for n in sizes]
+    displs = [sum(counts[:r]) for r in range(size)]
+    data = np.empty(sum(counts), dtype=np.uint8)
+    mine = np.frombuffer(payload, dtype=np.uint8)
+    _wait(world.Iallgatherv(mine, [data, counts, displs, MPI.BYTE]), deadline, timeout, rank,
+          size)
+    return [data[d:d + n].tobytes() for d, n in zip(displs, counts, strict=True)]
+
+
+def agree_on_settings(
+    problem: Exception | None, mine: tuple[object, ...] | None, timeout: float
+) -> None:
+    """Make a setting that is bad on any rank raise on every rank (call where
+    :func:`joins_agreement` says so, on every rank, with or without a ``problem``).
+
+    ``mine`` is (backend name, store address, store port); None with a ``problem``. Skipped --
+    ``problem``, if any, is raised on this rank only -- without mpi4py, with one MPI rank, or
+    after MPI_Finalize. Initialises MPI (also where mpi4py was imported with
+    ``mpi4py.rc.initialize = False``) and installs the abort hook unless
+    ``GRADCOMM_MPI_ABORT_ON_ERROR`` is off.
+
+    Raises:
+        Exception: ``problem`` on this rank; on the others the same kind (TypeError, ValueError,
+            ImportError, BackendUnavailableError; RuntimeError for anything else), naming the
+            rank(s) and their messages.
+        ValueError: the ranks chose different backends, or (torch.distributed backends)
+            different store addresses.
+        CollectiveTimeoutError: not every rank arrived within ``timeout`` seconds.
+    """
+    world = None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        pass
+    else:
+        if not MPI.Is_finalized():
+            if not MPI.Is_initialized():
+                MPI.Init_thread()
+            world = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    if world is None:
+        if problem is not None:
+            raise problem
+        return
+    try:
+        abort = env_flag(ABORT_ENV_VAR, True)
+    except ValueError:
+        abort = True  # the bad value itself is `problem`: raise it on every rank, then abort
+    if abort:
+        install_abort_hook()
+    error = None if problem is None else [type(problem).__name__, str(problem)]
+    payload = json.dumps([error, None if mine is None else list(mine)]).encode()
+    views = [json.loads(raw) for raw in _allgather_bytes(world, payload, timeout)]
+    failed = [(r, e) for r, (e, _) in enumerate(views) if e is not None]
+    if failed:
+        if problem is not None:
+            raise problem
+        kind = _RAISED_AS.get(failed[0][1][0], RuntimeError)
+        details = "; ".join(f"rank {r}: {name}: {msg}" for r, (name, msg) in failed[:4])
+        more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
+        raise kind(f"gradcomm.init failed on {len(failed)} of {len(views)} ranks "
+                   f"({details}{more}); raised on every rank so that none waits for the others")
+    chosen = [tuple(m) for _, m in views]
+    backends = [c[0] for c in chosen]
+    if len(set(backends)) > 1:
+        listed = "; ".join(f"rank {r}: {b}" for r, b in enumerate(backends[:8]))
+        raise ValueError(f"the ranks chose different backends ({listed}); pass the same backend "
+                         "or set the same GRADCOMM_BACKEND on every rank")
+    stores = [c[1:] for c in chosen]
+    if backends[0] != "mpi" and len(set(stores)) > 1:  # the mpi backend uses no store
+        listed = "; ".join(f"rank {r}: {s}" for r, s in enumerate(stores[:8]))
+        raise ValueError(f"the ranks chose different store addresses (MASTER_ADDR, MASTER_PORT; "
+                         f"None: through MPI) ({listed}); set MASTER_ADDR and MASTER_PORT alike "
+                         "on every rank, or on none")
