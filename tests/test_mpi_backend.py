@@ -219,8 +219,9 @@ _BAD_ONE_RANK = {  # case: what every rank's message must contain
     "store_one_rank": "the ranks chose different store addresses",
     "rank_out_of_range": "rank must be in [0, ",
     "rank_without_size": "give rank and world_size together",
+    "placement_with_store": "the launch settings disagree with MPI on 1 of 2 ranks",
 }
-_RAISED_AS = {"env_arg": "TypeError"}  # the rest: ValueError
+_RAISED_AS = {"env_arg": "TypeError", "placement_with_store": "RuntimeError"}  # else ValueError
 
 
 @pytest.mark.parametrize(
@@ -240,7 +241,8 @@ def test_a_setting_bad_on_one_rank_raises_on_every_rank(backend: str, case: str)
     for line in lines:
         assert f"{kind}: " in line and _BAD_ONE_RANK[case] in line, out
         rank = int(re.search(r"rank=(\d+)", line).group(1))  # type: ignore[union-attr]
-        if case not in ("other_backend", "store_one_rank") and rank != n - 1:  # name the rank
+        if case not in ("other_backend", "store_one_rank", "placement_with_store") and \
+                rank != n - 1:  # the others name the rank that had the problem
             assert f"gradcomm.init failed on 1 of {n} ranks (rank {n - 1}: {kind}:" in line, out
     total = n * (n + 1) // 2
     assert sorted(_results(out, "after")) == [f"RESULT after rank={r} {total}" for r in range(n)]
@@ -295,3 +297,16 @@ def test_a_correct_placement_given_on_one_rank_only_still_works(backend: str) ->
                   timeout=60).stdout
     assert sorted(_results(out, "noagree")) == [
         f"RESULT noagree explicit_on_one_rank rank={r} [3.0, 3.0]" for r in range(2)], out
+
+
+def test_init_after_a_timed_out_settings_check_is_refused_not_garbled() -> None:
+    out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["retry_after_timeout"], timeout=60,
+                  check=False).stdout
+    lines = sorted(_results(out, "noagree"))
+    assert len(lines) == 3, out
+    assert lines[0].startswith("RESULT noagree retry_after_timeout rank=0 t=10 RuntimeError: "
+                               "gradcomm.init: an earlier settings check"), out
+    assert lines[1].startswith("RESULT noagree retry_after_timeout rank=0 t=2 "
+                               "CollectiveTimeoutError: gradcomm.init: not every rank"), out
+    assert lines[2].startswith("RESULT noagree retry_after_timeout rank=1 t=3 "
+                               "CollectiveTimeoutError: gradcomm.init: not every rank"), out

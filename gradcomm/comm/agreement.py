@@ -11,6 +11,7 @@ never arrives (it died, did not call ``init``, or built a process-local communic
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import time
 from collections.abc import Mapping
@@ -30,6 +31,10 @@ _RAISED_AS: dict[str, type[Exception]] = {
     "BackendUnavailableError": BackendUnavailableError,
 }
 _POLL_S = 0.0005
+#: Requests (and their buffers) of a settings check that timed out on this process: MPI cannot
+#: cancel a collective, so they stay pending and are kept alive here (MPI may still write into
+#: the buffers), and COMM_WORLD cannot carry another check.
+_abandoned: list[Any] = []
 
 
 def _is_str_mapping(env: object) -> bool:
@@ -49,17 +54,23 @@ def joins_agreement(env: object, world_size: object) -> bool:
     source = env if _is_str_mapping(env) else os.environ
     if not started_by_mpi_launcher(source):  # type: ignore[arg-type]
         return False
-    return not (type(world_size) is int and world_size == 1)
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
+        return True  # None (from the launcher), or a bad value the check must report
+    return int(world_size) != 1  # numpy integers too
 
 
-def _wait(request: Any, deadline: float, timeout: float, rank: int, size: int) -> None:
+def _wait(request: Any, keep: tuple[Any, ...], deadline: float, timeout: float, rank: int,
+          size: int) -> None:
     while not request.Test():
         if time.monotonic() > deadline:
+            _abandoned.append((request, keep))
             raise CollectiveTimeoutError(
                 f"gradcomm.init: not every rank reached the settings check within {timeout:g} s "
                 f"(MPI rank {rank} of {size}); a rank may have died, not called gradcomm.init, "
-                "or called it for a process-local communicator (world_size=1, or an env without "
-                "the launcher's variables) while the others build a job-wide one"
+                "called it for a process-local communicator (world_size=1, or an env without "
+                "the launcher's variables) while the others build a job-wide one, or given up "
+                "waiting before this one arrived. The check's MPI request stays pending: end the "
+                "job (gradcomm.init cannot be retried in this process under this launcher)"
             )
         time.sleep(_POLL_S)
 
@@ -72,14 +83,14 @@ def _allgather_bytes(world: Any, payload: bytes, timeout: float) -> list[bytes]:
     rank, size = world.Get_rank(), world.Get_size()
     deadline = time.monotonic() + timeout
     sizes = np.zeros(size, dtype=np.int64)
-    _wait(world.Iallgather(np.array([len(payload)], dtype=np.int64), sizes), deadline,
-          timeout, rank, size)
+    length = np.array([len(payload)], dtype=np.int64)
+    _wait(world.Iallgather(length, sizes), (length, sizes), deadline, timeout, rank, size)
     counts = [int(n) for n in sizes]
     displs = [sum(counts[:r]) for r in range(size)]
     data = np.empty(sum(counts), dtype=np.uint8)
     mine = np.frombuffer(payload, dtype=np.uint8)
-    _wait(world.Iallgatherv(mine, [data, counts, displs, MPI.BYTE]), deadline, timeout, rank,
-          size)
+    _wait(world.Iallgatherv(mine, [data, counts, displs, MPI.BYTE]), (mine, data), deadline,
+          timeout, rank, size)
     return [data[d:d + n].tobytes() for d, n in zip(displs, counts, strict=True)]
 
 
@@ -89,7 +100,8 @@ def agree_on_settings(
     """Make a setting that is bad on any rank raise on every rank (call where
     :func:`joins_agreement` says so, on every rank, with or without a ``problem``).
 
-    ``mine`` is (backend name, store address, store port); None with a ``problem``. Skipped --
+    ``mine`` is (backend name, store address, store port, rank, world_size); None with a
+    ``problem``. Skipped --
     ``problem``, if any, is raised on this rank only -- without mpi4py, with one MPI rank, or
     after MPI_Finalize. Initialises MPI (also where mpi4py was imported with
     ``mpi4py.rc.initialize = False``) and installs the abort hook unless
@@ -101,7 +113,10 @@ def agree_on_settings(
             rank(s) and their messages.
         ValueError: the ranks chose different backends, or (torch.distributed backends)
             different store addresses.
-        CollectiveTimeoutError: not every rank arrived within ``timeout`` seconds.
+        RuntimeError: a rank's rank/world_size (explicit arguments) is not MPI's, or an earlier
+            check in this process timed out (its request is still pending).
+        CollectiveTimeoutError: not every rank arrived within ``timeout`` seconds, counted once
+            every rank has started MPI (MPI_Init itself waits for all ranks, without a timeout).
     """
     world = None
     try:
@@ -117,6 +132,10 @@ def agree_on_settings(
         if problem is not None:
             raise problem
         return
+    if _abandoned:
+        raise RuntimeError("gradcomm.init: an earlier settings check in this process timed out "
+                           "and its MPI request is still pending on COMM_WORLD, so another "
+                           "check would pair with it; end the job and start it again")
     try:
         abort = env_flag(ABORT_ENV_VAR, True)
     except ValueError:
@@ -141,7 +160,14 @@ def agree_on_settings(
         listed = "; ".join(f"rank {r}: {b}" for r, b in enumerate(backends[:8]))
         raise ValueError(f"the ranks chose different backends ({listed}); pass the same backend "
                          "or set the same GRADCOMM_BACKEND on every rank")
-    stores = [c[1:] for c in chosen]
+    wrong = [(r, c[3], c[4]) for r, c in enumerate(chosen) if (c[3], c[4]) != (r, len(views))]
+    if wrong:  # an explicit rank=/world_size= that is not MPI's (the same words as the backends)
+        details = "; ".join(f"MPI rank {m} of {len(views)}: explicit settings say rank {r} of {w}"
+                            for m, r, w in wrong[:4])
+        raise RuntimeError(f"the launch settings disagree with MPI on {len(wrong)} of "
+                           f"{len(views)} ranks: {details}; start the job with mpiexec/mpirun "
+                           "and let gradcomm take rank and world_size from MPI")
+    stores = [c[1:3] for c in chosen]
     if backends[0] != "mpi" and len(set(stores)) > 1:  # the mpi backend uses no store
         listed = "; ".join(f"rank {r}: {s}" for r, s in enumerate(stores[:8]))
         raise ValueError(f"the ranks chose different store addresses (MASTER_ADDR, MASTER_PORT; "

@@ -191,15 +191,18 @@ def init(
     valid, which backend they chose and their store address (:mod:`gradcomm.comm.agreement`),
     so an error caused by one rank's arguments or environment is raised on every rank (the
     others raise the same kind, naming the rank; MPI is initialised by then, and the
-    ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed), and a rank that never arrives is a
-    :class:`CollectiveTimeoutError` after ``timeout``. ``world_size=1`` or an ``env`` without
-    the launcher's variables (a process-local communicator) skips it. Elsewhere an error is
+    ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed), and a rank that started MPI but never
+    arrives is a :class:`CollectiveTimeoutError` after ``timeout`` (MPI_Init itself waits for
+    every rank without one). ``world_size=1`` or an ``env`` without the launcher's variables (a
+    process-local communicator) skips it. Elsewhere an error is
     raised on the rank that has it; torchrun ends such a job, a store rendezvous times out.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed.
         CollectiveTimeoutError: under an MPI launcher, not every rank reached the settings
-            check within ``timeout``.
+            check within ``timeout`` (counted once every rank has started MPI).
+        RuntimeError: also for an explicit ``rank``/``world_size`` that is not MPI's, or a second
+            ``init`` after a settings check timed out in this process.
     """
     from ..profiler import attach_from_env, profile_requested, trace_dir_from_env  # lazy
 
@@ -232,7 +235,8 @@ def init(
             agree_on_settings(exc, None, timeout_or_default(timeout, launch_env))  # raises
         raise
     if joins_agreement(env, world_size):
-        agree_on_settings(None, (choice.name, launch.master_addr, launch.master_port), seconds)
+        agree_on_settings(None, (choice.name, launch.master_addr, launch.master_port,
+                                 launch.rank, launch.world_size), seconds)
     env = launch_env
     logger.debug(
         "init: backend %s (%s), rank %d/%d, local_rank %d, launcher %s, timeout %.1f s",

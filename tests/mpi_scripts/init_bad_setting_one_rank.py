@@ -32,6 +32,7 @@ CASES = {
     "store_one_rank": ("MASTER_ADDR", "127.0.0.1"),  # a store address on one rank only
     "rank_out_of_range": (None, 5),  # explicit rank=5 (with world_size) on one rank only
     "rank_without_size": (None, "x"),  # explicit rank alone on one rank only
+    "placement_with_store": (None, 0),  # rank=0 on the last rank, a store address everywhere
 }
 
 
@@ -61,10 +62,14 @@ def main() -> None:
             kwargs["rank"], kwargs["world_size"] = bad, int(os.environ["PMI_SIZE"])
         elif case == "rank_without_size":
             kwargs["rank"] = bad
+        elif case == "placement_with_store":
+            kwargs["rank"], kwargs["world_size"] = bad, int(os.environ["PMI_SIZE"])
         else:
             kwargs["device"] = bad
         if case == "store_one_rank":
             os.environ["MASTER_PORT"] = "29517"
+    if case == "placement_with_store":  # the store was trusted: a TCPStore timeout, 2x later
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", "29518"
     try:
         comm = gradcomm.init(chosen, **kwargs)  # type: ignore[arg-type]
         print(f"RESULT badset rank={rank} no error", flush=True)

@@ -12,6 +12,9 @@ torchrun_inside``. Prints ``RESULT noagree <case> rank=<r> <value>``.
 * ``local_vs_global``: rank 1 builds a process-local communicator (an ``env`` without the
   launcher's variables) while rank 0 builds a job-wide one: rank 0 raises CollectiveTimeoutError
   after its 3 s timeout instead of waiting forever.
+* ``retry_after_timeout``: rank 1 arrives 4 s late; rank 0's check times out after 2 s, and its
+  second ``init`` is refused (its first request is still pending; before, the retry paired with
+  rank 1's late check and read garbage sizes); rank 1's check times out too.
 * ``explicit_on_one_rank BACKEND``: the last rank passes its (correct) rank and world size,
   the others pass nothing: all take part in the settings check, and the job works.
 * ``info_first``: ``gradcomm.info.collect_info()`` (imports mpi4py without initialising MPI),
@@ -63,6 +66,21 @@ def main() -> None:
             print(f"RESULT noagree {case} rank={rank} {type(exc).__name__}: {exc}", flush=True)
         if rank == 1:
             time.sleep(6)  # stay until rank 0's timeout has fired
+        return
+    if case == "retry_after_timeout":  # rank 1 is late; rank 0 times out, then tries again
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
+        attempts = [2.0, 10.0] if rank == 0 else [3.0]
+        if rank == 1:
+            time.sleep(4)
+        for seconds in attempts:
+            try:
+                gradcomm.init("gloo", timeout=seconds).close()
+                outcome = "ok"
+            except Exception as exc:  # noqa: BLE001 - the test checks type and message
+                outcome = f"{type(exc).__name__}: {str(exc)[:60]}"
+            print(f"RESULT noagree {case} rank={rank} t={seconds:g} {outcome}", flush=True)
         return
     if case == "explicit_on_one_rank":  # valid placement given on the last rank only
         last = os.environ["PMI_RANK"] == str(int(os.environ["PMI_SIZE"]) - 1)
