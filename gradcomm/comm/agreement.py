@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import numbers
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from .env_flag import env_flag
 from .errors import BackendUnavailableError, CollectiveTimeoutError
-from .launcher import started_by_mpi_launcher
+from .launcher import launch_mismatch, started_by_mpi_launcher
 from .mpi_abort import ABORT_ENV_VAR, install_abort_hook
 
 __all__ = ["agree_on_settings", "joins_agreement"]
@@ -37,22 +36,15 @@ _POLL_S = 0.0005
 _abandoned: list[Any] = []
 
 
-def _is_str_mapping(env: object) -> bool:
-    return isinstance(env, Mapping) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    )
-
-
-def joins_agreement(env: object, world_size: object) -> bool:
+def joins_agreement(env: Mapping[str, str], world_size: object) -> bool:
     """Whether :func:`gradcomm.init` with these arguments takes part in the settings check.
 
-    Yes when the launcher it reads (``env`` if that is a mapping of strings, else os.environ,
+    Yes when the launcher ``env`` names (init passes its valid ``env`` argument, else os.environ,
     so a malformed ``env`` is still checked with the others) is an MPI launcher that wins the
     launcher precedence (torchrun started by mpirun is torchrun), unless ``world_size=1`` asks
     for a process-local communicator, which one rank may build alone.
     """
-    source = env if _is_str_mapping(env) else os.environ
-    if not started_by_mpi_launcher(source):  # type: ignore[arg-type]
+    if not started_by_mpi_launcher(env):
         return False
     if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
         return True  # None (from the launcher), or a bad value the check must report
@@ -160,13 +152,10 @@ def agree_on_settings(
         listed = "; ".join(f"rank {r}: {b}" for r, b in enumerate(backends[:8]))
         raise ValueError(f"the ranks chose different backends ({listed}); pass the same backend "
                          "or set the same GRADCOMM_BACKEND on every rank")
-    wrong = [(r, c[3], c[4]) for r, c in enumerate(chosen) if (c[3], c[4]) != (r, len(views))]
-    if wrong:  # an explicit rank=/world_size= that is not MPI's (the same words as the backends)
-        details = "; ".join(f"MPI rank {m} of {len(views)}: explicit settings say rank {r} of {w}"
-                            for m, r, w in wrong[:4])
-        raise RuntimeError(f"the launch settings disagree with MPI on {len(wrong)} of "
-                           f"{len(views)} ranks: {details}; start the job with mpiexec/mpirun "
-                           "and let gradcomm take rank and world_size from MPI")
+    mismatch = launch_mismatch(  # an explicit rank=/world_size= that is not MPI's
+        [(r, len(views), c[3], c[4]) for r, c in enumerate(chosen)], "explicit")
+    if mismatch is not None:
+        raise mismatch
     stores = [c[1:3] for c in chosen]
     if backends[0] != "mpi" and len(set(stores)) > 1:  # the mpi backend uses no store
         listed = "; ".join(f"rank {r}: {s}" for r, s in enumerate(stores[:8]))

@@ -20,6 +20,7 @@ __all__ = [
     "check_launch_matches_mpi",
     "cpus_per_local_process",
     "detect_launch",
+    "launch_mismatch",
     "started_by_mpi_launcher",
 ]
 
@@ -264,13 +265,28 @@ def check_launch_matches_mpi(world: Any, launch: LaunchInfo) -> None:
     """
     mine = (world.Get_rank(), world.Get_size(), launch.rank, launch.world_size)
     views = [mine] if mine[1] == 1 else world.allgather(mine)
+    mismatch = launch_mismatch(views, launch.launcher.value)
+    if mismatch is not None:
+        raise mismatch
+
+
+def launch_mismatch(
+    views: list[tuple[int, int, int, int]], source: str
+) -> RuntimeError | None:
+    """The error for ranks whose settings disagree with MPI, or None when all agree.
+
+    Args:
+        views: one ``(MPI rank, MPI size, rank, world_size)`` per rank, as all-gathered.
+        source: what gave the settings (a :class:`Launcher` value, e.g. ``"explicit"``).
+    """
     wrong = [v for v in views if (v[0], v[1]) != (v[2], v[3])]
-    if wrong:
-        details = "; ".join(f"MPI rank {m} of {n}: {launch.launcher.value} settings say "
-                            f"rank {r} of {w}" for m, n, r, w in wrong[:4])
-        more = f" (and {len(wrong) - 4} more ranks)" if len(wrong) > 4 else ""
-        raise RuntimeError(
-            f"the launch settings disagree with MPI on {len(wrong)} of {len(views)} ranks: "
-            f"{details}{more}; start the job with mpiexec/mpirun (or srun with MPI) and let "
-            "gradcomm take rank and world_size from MPI"
-        )
+    if not wrong:
+        return None
+    details = "; ".join(f"MPI rank {m} of {n}: {source} settings say rank {r} of {w}"
+                        for m, n, r, w in wrong[:4])
+    more = f" (and {len(wrong) - 4} more ranks)" if len(wrong) > 4 else ""
+    return RuntimeError(
+        f"the launch settings disagree with MPI on {len(wrong)} of {len(views)} ranks: "
+        f"{details}{more}; start the job with mpiexec/mpirun (or srun with MPI) and let "
+        "gradcomm take rank and world_size from MPI"
+    )

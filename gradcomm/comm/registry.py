@@ -96,9 +96,7 @@ def _gloo_factory(
 ) -> Communicator:
     from .backends.gloo import GlooCommunicator
 
-    if device is not None and device.type != "cpu":
-        raise ValueError(f"the gloo backend here works on cpu tensors, not {device}")
-    return GlooCommunicator(launch, timeout=timeout)
+    return GlooCommunicator(launch, timeout=timeout)  # check_backend refused other devices
 
 
 def _mpi_check() -> Exception | None:
@@ -239,11 +237,9 @@ def create_communicator(
     """Build backend ``name``'s communicator for this process (``device`` None: its default).
 
     Raises:
-        ValueError: unknown name. ImportError: missing package. BackendUnavailableError: no CUDA
-        device or library the backend needs.
+        What :func:`check_backend` raises (unknown name, a device type the backend does not
+        take, missing package, no CUDA device or library), then whatever the backend raises.
     """
-    _, entry = _entry(name)
-    problem = entry.check()
-    if problem is not None:
-        raise problem
-    return entry.factory(launch, timeout, None if device is None else torch.device(device))
+    dev = None if device is None else torch.device(device)
+    check_backend(name, dev)
+    return _entry(name)[1].factory(launch, timeout, dev)

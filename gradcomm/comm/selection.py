@@ -185,6 +185,12 @@ def init(
             on nor off, a ``GRADCOMM_PROFILE_DIR`` that is (or lies below) a file or cannot be
             made, a device type the backend does not take, or ranks that chose different
             backends or store addresses.
+        ImportError: the backend's package is missing (the message gives the pip command).
+        BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
+        RuntimeError: the rendezvous failed, an explicit ``rank``/``world_size`` is not MPI's,
+            or a settings check timed out earlier in this process.
+        CollectiveTimeoutError: under an MPI launcher, not every rank reached the settings
+            check within ``timeout`` (counted once every rank has started MPI).
 
     Under an MPI launcher (mpirun/mpiexec; torchrun started by mpirun is torchrun) with more
     than one rank and mpi4py installed, the ranks first all-gather whether their settings were
@@ -194,15 +200,8 @@ def init(
     ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed), and a rank that started MPI but never
     arrives is a :class:`CollectiveTimeoutError` after ``timeout`` (MPI_Init itself waits for
     every rank without one). ``world_size=1`` or an ``env`` without the launcher's variables (a
-    process-local communicator) skips it. Elsewhere an error is
-    raised on the rank that has it; torchrun ends such a job, a store rendezvous times out.
-        ImportError: the backend's package is missing (the message gives the pip command).
-        BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
-        RuntimeError: the rendezvous failed.
-        CollectiveTimeoutError: under an MPI launcher, not every rank reached the settings
-            check within ``timeout`` (counted once every rank has started MPI).
-        RuntimeError: also for an explicit ``rank``/``world_size`` that is not MPI's, or a second
-            ``init`` after a settings check timed out in this process.
+    process-local communicator) skips it. Elsewhere an error is raised on the rank that has it;
+    torchrun ends such a job, a store rendezvous times out.
     """
     from ..profiler import attach_from_env, profile_requested, trace_dir_from_env  # lazy
 
@@ -231,13 +230,12 @@ def init(
             env_flag(name, None)
         check_backend(choice.name, device)  # a missing package or GPU, a wrong device type
     except Exception as exc:
-        if joins_agreement(env, world_size):
+        if joins_agreement(launch_env, world_size):
             agree_on_settings(exc, None, timeout_or_default(timeout, launch_env))  # raises
         raise
-    if joins_agreement(env, world_size):
+    if joins_agreement(launch_env, world_size):
         agree_on_settings(None, (choice.name, launch.master_addr, launch.master_port,
                                  launch.rank, launch.world_size), seconds)
-    env = launch_env
     logger.debug(
         "init: backend %s (%s), rank %d/%d, local_rank %d, launcher %s, timeout %.1f s",
         choice.name, choice.reason, launch.rank, launch.world_size, launch.local_rank,
@@ -246,5 +244,5 @@ def init(
     comm = create_communicator(choice.name, launch, seconds, device)
     logger.debug("init: created %r", comm)
     if profiling:
-        attach_from_env(comm, env)
+        attach_from_env(comm, launch_env)
     return comm

@@ -213,10 +213,6 @@ class Work(abc.ABC):
         if self._callbacks:
             self._run_callbacks()
 
-    def _callback_context(self) -> contextlib.AbstractContextManager[Any]:
-        target = self._target
-        return torch.no_grad() if target is None else writing_into(target)
-
     def _run_callbacks(self) -> None:
         """Run and drop the pending callbacks, oldest first; raise the first error any callback
         ever raised. A callback added by a running one joins the end of the queue (it runs after
@@ -225,7 +221,8 @@ class Work(abc.ABC):
             return  # the loop below, further up the stack, runs it in turn
         self._running = True
         try:
-            with self._callback_context():
+            target = self._target
+            with torch.no_grad() if target is None else writing_into(target):
                 while self._callbacks:
                     fn = self._callbacks.pop(0)
                     try:
