@@ -92,10 +92,10 @@ class Work(abc.ABC):
     # collective (each costs more between large collectives, whose traffic leaves caches cold).
     #: The first exception a callback raised: wait() raises it again every time.
     _error: Exception | None = None
-    #: The caller's tensor that callbacks write results into (set by the Communicator): they run
-    #: in writing_into(it), else under torch.no_grad().
+    #: The caller's tensor that callbacks write results into (see bind): they run in
+    #: writing_into(it), else under torch.no_grad().
     _target: torch.Tensor | None = None
-    #: Told when a wait times out (set by the Communicator, which then refuses new collectives
+    #: Told when a wait times out (see bind; the communicator then refuses new collectives
     #: while this one is still pending).
     _on_timeout: Callable[[Work], None] | None = None
     #: True while the callbacks run (a callback that adds one queues it behind the others).
@@ -112,6 +112,24 @@ class Work(abc.ABC):
         """What the collective is, e.g. ``"all_reduce #3 SUM of 1024 torch.float32 on cpu (mpi,
         rank 0/2)"`` (formatted on first read)."""
         return str(self._description)
+
+    @property
+    def callback_error(self) -> Exception | None:
+        """The first error a callback raised (:meth:`wait` raises it), or None."""
+        return self._error
+
+    def bind(self, target: torch.Tensor | None, on_timeout: Callable[[Work], None]) -> None:
+        """Called by the communicator that returns this work, before returning it.
+
+        Args:
+            target: the caller's tensor that callbacks write results into (they run in
+                :func:`writing_into` it; None: under :func:`torch.no_grad`), also for callbacks
+                the caller adds later.
+            on_timeout: told of this work when a wait on it times out.
+        """
+        if target is not None:
+            self._target = target
+        self._on_timeout = on_timeout
 
     def _limit(self, requested: float | None) -> float | None:
         """The timeout that will really apply to a wait of ``requested`` seconds (None: none);

@@ -76,7 +76,7 @@ from ..errors import BackendUnavailableError
 from ..launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
 from ..mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
 from ..types import ReduceOp, Support, SupportLevel
-from ..work import Description, DescriptionLike, Work
+from ..work import DescriptionLike, Work
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpi4py import MPI as MPIModule
@@ -117,7 +117,7 @@ _NATIVE = frozenset(
     }
 )
 _HALF = frozenset({torch.float16, torch.bfloat16})
-#: Dtypes that :meth:`MPICommunicator.all_reduce` may post without the general path: MPI
+#: Dtypes whose SUM :meth:`MPICommunicator._all_reduce` may post without the general path: MPI
 #: reduces them natively, and SUM is MPI_SUM (for bool it is logical or, looked up in general).
 _SHORTCUT_DTYPES = _NATIVE - {torch.bool}
 
@@ -373,6 +373,8 @@ class MPICommunicator(Communicator):
         self._inflight: list[MPIWork] = []
         self._scratch = _ScratchPool()
         self._datatypes: dict[torch.dtype, MPI.Datatype] = {}
+        # The datatypes of _SHORTCUT_DTYPES looked up so far: SUM of these is plain MPI_SUM.
+        self._sum_datatypes: dict[torch.dtype, MPI.Datatype] = {}
         self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
         self._adapter: Any = None
         self._cuda_aware = False
@@ -480,47 +482,19 @@ class MPICommunicator(Communicator):
         return Support(SupportLevel.UNSUPPORTED, f"the mpi backend cannot reduce {dtype}")
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        op: ReduceOp | str = ReduceOp.SUM,
-        *,
-        async_op: bool = False,
-        label: str | None = None,
-    ) -> Work:
-        """:meth:`Communicator.all_reduce` (same arguments, result and errors), with a shortcut.
-
-        The common call -- SUM of a dense, contiguous CPU tensor of a dtype MPI reduces natively
-        (not bool), whose (dtype, device) an earlier call has classified, with no profiler and no
-        collective pending or stalled on this communicator -- is posted here: the same
-        ``Iallreduce``, :class:`~gradcomm.comm.Description`, :class:`MPIWork` (``_work``) and
-        wait (``_finish``) as the general path, without the nested calls of its checks and of
-        its posting. Between 1 MiB all-reduces, whose traffic leaves the caches cold, such calls
-        cost microseconds each (``benchmarks/call_overhead.py``).
-        Every other call, including every one that raises, takes the general path.
-        """
-        if (op is ReduceOp.SUM and async_op.__class__ is bool
-                and (label is None or label.__class__ is str)
-                and self.profiler is None and self._adapter is None
-                and not self._inflight and self._stalled is None and not self._closed
-                and isinstance(tensor, torch.Tensor) and tensor.dtype in _SHORTCUT_DTYPES
-                and tensor.layout is torch.strided):
-            kind = self._tensor_kinds.get((tensor.dtype, tensor.device))
-            comm = self._comm
-            datatype = self._datatypes.get(tensor.dtype)
-            numel = tensor.numel()
-            if (kind is not None and kind[0] is None and comm is not None and datatype is not None
-                    and numel and self._world_size > 1 and tensor.is_contiguous()
-                    and not tensor.is_neg()):
-                desc = Description("all_reduce", next(self._seq), numel, kind[2], op, label)
-                buf = _MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
-                request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], MPI.SUM)
-                request.Test()  # as in _all_reduce: a waiting peer gets this rank's data now
-                work = self._work(request, desc, (tensor, tensor.untyped_storage(), buf))
-                return self._finish(work, async_op, tensor)
-        return super().all_reduce(tensor, op, async_op=async_op, label=label)
-
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
+        # The gradient path -- SUM of host memory of a dtype MPI reduces natively (not bool),
+        # whose datatype an earlier call looked up, with nothing pending -- is posted in a few
+        # steps: small all-reduces pay every nested call of the general path below.
+        datatype = self._sum_datatypes.get(tensor.dtype)
+        comm = self._comm
+        if (datatype is not None and op is ReduceOp.SUM and comm is not None
+                and not self._inflight and self._adapter is None):
+            buf = _MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
+            request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], MPI.SUM)
+            request.Test()  # as below: a waiting peer gets this rank's data now
+            return MPIWork(request, description, self._timeout,
+                           (tensor, tensor.untyped_storage(), buf), self._inflight)
         comm = self._live_comm()
         dtype = tensor.dtype
         flat = tensor if tensor.dim() == 1 else tensor.view(-1)
@@ -641,6 +615,8 @@ class MPICommunicator(Communicator):
         found = self._datatypes.get(dtype)
         if found is None:
             found = self._datatypes[dtype] = _predefined_datatype(dtype)
+            if dtype in _SHORTCUT_DTYPES:
+                self._sum_datatypes[dtype] = found
         return found
 
     def _prepare(

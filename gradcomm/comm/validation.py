@@ -1,0 +1,180 @@
+"""Argument checks of the collectives, run on every rank before any transport call.
+
+Every rank runs the same checks on the same kind of arguments, so bad input raises the same error
+everywhere instead of leaving the other ranks waiting in a collective. :class:`TensorChecks`
+caches its verdict per (dtype, device), so the checks of a collective's tensor cost one dict
+lookup once its kind has been seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .types import ReduceOp, Support
+
+__all__ = [
+    "TensorKind",
+    "TensorChecks",
+    "check_call_args",
+    "check_writable",
+    "check_supports_args",
+    "check_avg",
+    "check_src",
+    "check_all_gather",
+]
+
+#: The verdict on one (dtype, device): the error class to raise for it (None: none), the reason,
+#: and the tail of the descriptions of collectives on it (dtype, device and group).
+TensorKind = tuple[type[Exception] | None, str, str]
+
+
+def check_call_args(async_op: object, label: object = None) -> None:
+    """TypeError unless ``async_op`` is a bool and ``label`` a str or None (a truthy string such as
+    ``"no"`` would otherwise silently make the call asynchronous)."""
+    if async_op.__class__ is not bool:
+        kind = type(async_op)  # numpy.bool prints as "bool": name its module too
+        name = (kind.__name__ if kind.__module__ == "builtins"
+                else f"{kind.__module__}.{kind.__name__}")
+        raise TypeError(f"async_op must be a Python bool (True or False), got {name} {async_op!r}")
+    if label is not None and not isinstance(label, str):
+        raise TypeError(f"label must be a str or None, got {type(label).__name__}")
+
+
+def check_writable(tensor: torch.Tensor, opname: str) -> None:
+    """Raise ValueError if some elements of ``tensor`` share one memory location (an
+    ``expand()``-ed view, stride 0): a collective's result cannot be written into it (``copy_``
+    would refuse after the transfer), so it is refused before, at every world size."""
+    if tensor.numel() and not tensor.is_contiguous() and any(
+        st == 0 and n > 1 for n, st in zip(tensor.shape, tensor.stride(), strict=True)
+    ):
+        raise ValueError(
+            f"{opname}: the tensor has several elements at one memory location (stride 0, e.g. "
+            f"from expand(); shape {tuple(tensor.shape)}, stride {tensor.stride()}), so the result "
+            "cannot be written into it; pass a tensor with memory of its own (.clone())"
+        )
+
+
+def check_supports_args(dtype: object, device: object) -> torch.device | None:
+    """The arguments of :meth:`~gradcomm.comm.Communicator.supports`, checked; ``device`` as a
+    :class:`torch.device` (None stays None).
+
+    Raises:
+        TypeError: ``dtype`` is not a torch.dtype, or ``device`` not None, a str or a device.
+        ValueError: ``device`` is a string torch does not know.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"supports() takes a torch.dtype, got {type(dtype).__name__} "
+                        f"{dtype!r} (e.g. torch.float32)")
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"supports() takes a device as a str or torch.device, got "
+                        f"{type(device).__name__} {device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:  # torch's message lists the device types it knows
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+
+
+def check_avg(tensor: torch.Tensor, op: ReduceOp) -> None:
+    """TypeError for ``ReduceOp.AVG`` on a tensor that is neither floating point nor complex."""
+    if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(
+            f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}; "
+            "use ReduceOp.SUM and divide, or cast first"
+        )
+
+
+def check_src(src: object, world_size: int) -> None:
+    """TypeError unless ``src`` is an int (not a bool); ValueError unless it is a rank."""
+    if isinstance(src, bool) or not isinstance(src, int):
+        raise TypeError(f"src must be an int rank, got {type(src).__name__}")
+    if not 0 <= src < world_size:
+        raise ValueError(f"src must be in [0, {world_size}), got {src}")
+
+
+def check_all_gather(output: torch.Tensor, input: torch.Tensor, world_size: int) -> None:
+    """TypeError if the dtypes differ; ValueError unless ``output`` holds ``world_size`` inputs."""
+    if output.dtype != input.dtype:
+        raise TypeError(f"all_gather output dtype {output.dtype} != input dtype {input.dtype}")
+    if output.numel() != world_size * input.numel():
+        raise ValueError(
+            f"all_gather output must hold world_size * input.numel() = "
+            f"{world_size} * {input.numel()} elements, got {output.numel()}"
+        )
+
+
+class TensorChecks:
+    """The checks of one communicator's tensors, cached per (dtype, device).
+
+    Args:
+        backend: the backend's name, for messages and descriptions.
+        device: the communicator's device (tensors must be of its device type).
+        group: ``"rank r/w"``, for descriptions.
+        supports: the backend's :meth:`~gradcomm.comm.Communicator._supports`, asked once per
+            (dtype, device) whether reductions of it are possible.
+    """
+
+    __slots__ = ("_backend", "_device", "_group", "_supports", "kinds")
+
+    def __init__(
+        self,
+        backend: str,
+        device: torch.device,
+        group: str,
+        supports: Callable[[torch.dtype, torch.device], Support],
+    ) -> None:
+        self._backend = backend
+        self._device = device
+        self._group = group
+        self._supports = supports
+        #: The verdicts so far: a hit costs one dict lookup. ``tensor.device.type`` alone costs a
+        #: new str per read, which in a collective's common path is a visible share of its cost.
+        self.kinds: dict[tuple[torch.dtype, torch.device], TensorKind] = {}
+
+    def check(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
+        """Raise on a tensor the communicator cannot take; return its description tail.
+
+        Raises:
+            TypeError: not a tensor, not dense, or (``reduction`` only) a dtype the backend
+                cannot reduce.
+            ValueError: a device type other than the communicator's.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{opname} expects a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout is not torch.strided:
+            raise TypeError(
+                f"{opname} expects a dense (strided) tensor, got layout {tensor.layout}"
+            )
+        kind = self.kinds.get((tensor.dtype, tensor.device))
+        if kind is None:
+            kind = self.classify(tensor)
+        error, reason, tail = kind
+        if error is not None and (reduction or error is ValueError):
+            raise error(f"{opname}: {reason}")
+        return tail
+
+    def classify(self, tensor: torch.Tensor) -> TensorKind:
+        """Classify (and cache) ``tensor``'s (dtype, device).
+
+        ValueError: a device type other than the communicator's (raised for every collective);
+        TypeError: a dtype the backend's ``_supports`` calls unsupported (raised for reductions
+        only; complex dtypes land here, and :meth:`Communicator.all_reduce` reduces their real
+        view instead).
+        """
+        dtype, device = tensor.dtype, tensor.device
+        tail = f" {dtype} on {device} ({self._backend}, {self._group})"
+        error: type[Exception] | None = None
+        if device.type != self._device.type:
+            error = ValueError
+            reason = (f"tensor is on {device}, but this {self._backend} communicator works on "
+                      f"{self._device}")
+        else:
+            support = self._supports(dtype, device)
+            reason = support.reason
+            if not support.is_supported:
+                error = TypeError
+        kind = self.kinds[(dtype, device)] = (error, reason, tail)
+        return kind
