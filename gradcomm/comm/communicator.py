@@ -74,8 +74,7 @@ class Communicator(GroupMember, abc.ABC):
         self._stall_note = self._stalls.note  # bound once, not per collective (Work.bind)
         self._checks = TensorChecks(self.backend, self._device, f"rank {rank}/{world_size}",
                                     self._supports)
-        # The common all_reduce may read the checks' cache directly unless a backend adds checks
-        # of its own to _check_tensor (those must run on every call).
+        # all_reduce may use cached checks unless a backend adds checks of its own to _check_tensor
         self._cached_checks = (world_size > 1
                                and type(self)._check_tensor is Communicator._check_tensor)
         #: Optional :class:`CollectiveObserver` told of every collective (None: off).
@@ -91,11 +90,10 @@ class Communicator(GroupMember, abc.ABC):
         """Whether a collective started with ``async_op=True`` advances while the caller computes.
 
         True when the transport moves data on its own (a device stream; a transport thread with a
-        CPU core to itself), False when it advances only inside calls into it (MPI without a
-        progress thread) or shares the training thread's only core. Only then can overlapping
-        the all-reduce with backward hide its time; :class:`~gradcomm.GradientReducer` picks its
-        first bucket size from it. This base implementation returns False.
-        """
+        CPU core to itself); False when it advances only inside calls into it (MPI without a
+        progress thread) or shares the training thread's only core, and in this base class. Only
+        then can overlapping hide the all-reduce's time; :class:`~gradcomm.GradientReducer`
+        sizes its first bucket by it."""
         return False
 
     @property
@@ -104,11 +102,9 @@ class Communicator(GroupMember, abc.ABC):
 
         :class:`~gradcomm.GradientReducer` then reduces large gradients in place, one collective
         each, instead of copying them into a shared bucket (its ``in_place_min_mb``): True for
-        MPI on host memory, False here and so for gloo (a handoff to the transport's thread).
-        """
+        MPI on host memory, False here and so for gloo (a handoff to the transport's thread)."""
         return False
 
-    # ------------------------------------------------------------------ capability
     def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
         """Say how this backend reduces tensors of ``dtype`` on ``device`` (default: its device).
 
@@ -329,8 +325,7 @@ class Communicator(GroupMember, abc.ABC):
     def _issue(self, opname: str, hook: Callable[..., Work], args: tuple[object, ...],
                description: DescriptionLike, target: torch.Tensor | None,
                buf: torch.Tensor | None, label: str | None, async_op: bool) -> Work:
-        """Start a checked collective, ``hook(*args, description)``, on the contiguous ``buf``
-        (None: barrier); tell the profiler; copy back into ``target`` when ``buf`` is a copy."""
+        """Start ``hook(*args, description)`` on ``buf``, profiled; copy back into ``target``."""
         profiler = self.profiler
         done = (None if profiler is None
                 else profiler.collective_started(opname, buf, label, async_op))

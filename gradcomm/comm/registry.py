@@ -106,7 +106,7 @@ def _mpi_check() -> Exception | None:
 def _mpi_factory(
     launch: LaunchInfo, timeout: float | None, device: torch.device | None
 ) -> Communicator:
-    from .backends.mpi import MPICommunicator
+    from .backends.mpi.communicator import MPICommunicator
 
     return MPICommunicator(launch, timeout=timeout, device=device)
 

@@ -31,8 +31,8 @@ class Description:
     ``str(d)`` is e.g. ``"all_reduce #3 SUM bucket 0 of 1024 torch.float32 on cpu (mpi, rank
     0/2)"``: the operation, this communicator's sequence number, ``extra`` (a
     :class:`~gradcomm.ReduceOp` is shown by name), ``label``, the element count and ``tail`` (dtype,
-    device and group, from the communicator's cache). Formatting costs ~0.3 us warm but measured
-    ~2.5 us per call between two 1 MiB MPI all-reduces, whose traffic leaves the caches cold
+    device and group, from the communicator's cache). Formatting is a visible share of a small
+    collective's cost, above all between large ones whose traffic leaves the caches cold
     (benchmarks/call_overhead.py), and the text is almost never read, so collectives keep the
     parts and :class:`Work` formats them on demand.
     """

@@ -29,7 +29,7 @@ import torch
 from mpi4py import MPI
 
 import gradcomm
-import gradcomm.comm.backends.mpi as mpi_backend
+import gradcomm.comm.backends.mpi.ops16 as mpi_backend
 
 WORLD = MPI.COMM_WORLD
 

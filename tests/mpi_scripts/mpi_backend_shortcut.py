@@ -1,12 +1,13 @@
-"""Run under ``mpiexec -n 2``: ``MPICommunicator.all_reduce``'s shortcut and its fallbacks.
+"""Run under ``mpiexec -n 2``: the mpi all_reduce shortcut and its fallbacks.
 
 The shortcut posts the common call (SUM of a contiguous CPU tensor of a natively reduced dtype,
-already classified, nothing pending, no profiler) without the general path of
-``Communicator.all_reduce``. This script counts the general path's calls (by wrapping the base
-class method) and checks, for the shortcut and for each condition that must send a call down the
-general path, that the values are exact, that the work's description is the general path's, and
-which path ran. Exits non-zero on any difference; prints ``RESULT shortcut ok rank=<r>
-checks=<n>``.
+already classified, nothing pending, no profiler) with the base class's checks read from their
+cache and the backend hook's direct ``Iallreduce``, without the general path (the base class's
+``_checked_all_reduce`` or the hook's ``_post_all_reduce``). This script counts the general path's
+calls (by wrapping those methods) and checks, for the shortcut and for each condition that must
+send a call down the general path, that the values are exact, that the work's description is the
+general path's, and which path ran. Exits non-zero on any difference; prints ``RESULT shortcut ok
+rank=<r> checks=<n>``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from typing import Any
 import torch
 
 import gradcomm
+from gradcomm.comm.backends.mpi.communicator import MPICommunicator
 from gradcomm.comm.communicator import Communicator
 from gradcomm.profiler import profile
 
 general_calls = 0
-_general = Communicator.all_reduce
+# The general path: the base class's full checks, or the backend hook's general posting.
+_general = Communicator._checked_all_reduce
+_general_post = MPICommunicator._post_all_reduce
 
 
 def _counting(self: Communicator, *args: Any, **kwargs: Any) -> Any:
@@ -31,7 +35,14 @@ def _counting(self: Communicator, *args: Any, **kwargs: Any) -> Any:
     return _general(self, *args, **kwargs)
 
 
-Communicator.all_reduce = _counting  # type: ignore[method-assign]
+def _counting_post(self: MPICommunicator, *args: Any, **kwargs: Any) -> Any:
+    global general_calls
+    general_calls += 1
+    return _general_post(self, *args, **kwargs)
+
+
+Communicator._checked_all_reduce = _counting  # type: ignore[method-assign]
+MPICommunicator._post_all_reduce = _counting_post  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ int64 (cpu)
 bool (cpu)                      native         SUM and MAX are logical or, PRODUCT and MIN
                                                logical and (MPI_C_BOOL with LOR / LAND)
 float16, bfloat16 (cpu)         emulated-slow  MPI has no bfloat16 and MPICH's float16 SUM is
-                                               slow (8x slower than float32 here). With 2
+                                               slow (much slower than float32). With 2
                                                ranks, and for MIN/MAX at any size: a
                                                user-defined MPI op adds the 16-bit data with
                                                torch (one rounding per element, so the result
@@ -38,12 +38,8 @@ complex64, complex128           via real view  the base class reduces ``view_as_
 other dtypes (float8, ...)      unsupported    all_reduce raises TypeError
 ==============================  =============  ===============================================
 
-Progress: MPICH (and Open MPI by default) has no asynchronous progress thread, so an outstanding
-non-blocking collective advances only while this process calls into MPI. :meth:`MPIWork.wait`
-polls ``Request.Test()`` -- back to back for 1 ms, then with ``sched_yield()`` between bursts
-for up to 1 s, then with sleeps growing to 1 ms -- and :meth:`MPIWork.is_completed` calls
-``Test()`` once, so callers that poll ``is_completed()`` on in-flight work (the gradient manager
-does, from its backward hooks) drive the transfer forward.
+Progress: see :mod:`gradcomm.comm.backends.mpi.work` (waiting polls MPI, which advances a
+non-blocking collective only inside calls into it).
 
 Failure behaviour: a collective that does not complete within the communicator's timeout (or the
 timeout given to ``wait``) raises :class:`~gradcomm.CollectiveTimeoutError`; MPI cannot cancel a
@@ -64,249 +60,30 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from mpi4py import MPI
 
-from ..communicator import Communicator, flat_bytes
-from ..errors import BackendUnavailableError
-from ..launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
-from ..mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
-from ..types import ReduceOp, Support, SupportLevel
-from ..work import DescriptionLike, Work
+from ...communicator import Communicator, flat_bytes
+from ...errors import BackendUnavailableError
+from ...launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
+from ...mpi_abort import abort_on_error_enabled, install_abort_hook
+from ...types import ReduceOp, Support
+from ...work import DescriptionLike, Work
+from .dtypes import HALF, MPI_BUFFER, SUM_FAST, mpi_op, predefined_datatype
+from .ops16 import half_op, uses_user_op
+from .scratch import ScratchPool
+from .support import classify
+from .work import MPIWork
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpi4py import MPI as MPIModule
 
-try:
-    from mpi4py import MPI
-    from mpi4py.util import dtlib
-except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
-    raise ImportError(
-        "the mpi backend needs the mpi4py package and an MPI library: pip install mpi4py mpich"
-    ) from _exc
+__all__ = ["MPICommunicator"]
 
 logger = logging.getLogger("gradcomm.comm.mpi")
-
-# mpi4py 4 names it MPI.buffer; 3.x called the same class MPI.memory.
-_MPI_BUFFER = getattr(MPI, "buffer", None) or MPI.memory
-
-__all__ = [
-    "MPICommunicator",
-    "MPIWork",
-    "install_abort_hook",
-    "abort_on_error_enabled",
-    "ABORT_ENV_VAR",
-]
-
-#: Environment variable that turns off the abort-on-uncaught-error hook when set to ``0``.
-
-_NATIVE = frozenset(
-    {
-        torch.float32,
-        torch.float64,
-        torch.int8,
-        torch.uint8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    }
-)
-_HALF = frozenset({torch.float16, torch.bfloat16})
-#: Dtypes whose SUM :meth:`MPICommunicator._all_reduce` may post without the general path: MPI
-#: reduces them natively, and SUM is MPI_SUM (for bool it is logical or, looked up in general).
-_SHORTCUT_DTYPES = _NATIVE - {torch.bool}
-
-_MPI_OPS: dict[ReduceOp, MPI.Op] = {
-    ReduceOp.SUM: MPI.SUM,
-    ReduceOp.MIN: MPI.MIN,
-    ReduceOp.MAX: MPI.MAX,
-    ReduceOp.PRODUCT: MPI.PROD,
-}
-# MPI allows only logical ops on MPI_C_BOOL.
-_BOOL_OPS: dict[ReduceOp, MPI.Op] = {
-    ReduceOp.SUM: MPI.LOR,
-    ReduceOp.MAX: MPI.LOR,
-    ReduceOp.MIN: MPI.LAND,
-    ReduceOp.PRODUCT: MPI.LAND,
-}
-
-# float16/bfloat16 SUM and PRODUCT use the 16-bit user-defined op (one rounding per add) only up
-# to this many ranks: with two ranks each element is rounded once, exactly like the float32
-# upcast, at half the bytes and without the two conversion passes. With more ranks the partial
-# sums would be rounded to 16 bits at every step, so the upcast is used. MIN and MAX never round.
-_USER_OP_MAX_WORLD = 2
-
-# Polling schedule of MPIWork.wait, in bursts of _TESTS_PER_CHECK Test() calls: back to back
-# for _YIELD_AFTER_S seconds (small and medium messages finish here), then separated by
-# sched_yield() (a peer rank sharing this core gets to run; measured with two ranks on two busy
-# cores, this beat a pure Test() spin at 16 MiB and lost nothing at 1 MiB) until _SPIN_S, then by
-# sleeps doubling from _SLEEP_START_S up to _SLEEP_CAP_S, so a rank waiting for a late or dead
-# peer stops burning a core. A transfer progresses only when Test() is called, so the yielding
-# phase is long enough for any usual bucket (25 MiB takes ~25 ms here).
-_TESTS_PER_CHECK = 16
-_YIELD_AFTER_S = 1e-3
-_SPIN_S = 1.0
-_SLEEP_START_S = 1e-5
-_SLEEP_CAP_S = 1e-3
-
-
-
-class MPIWork(Work):
-    """Handle of one non-blocking MPI collective.
-
-    Args:
-        request: the ``MPI.Request`` returned by ``Iallreduce``/``Ibcast``/...
-        description: what the collective is, for error messages.
-        timeout: default timeout of :meth:`wait`, seconds (``None``: forever).
-        keepalive: objects that must outlive the request: the tensors, and the storages of the
-            memory MPI reads and writes (a tensor alone is not enough: ``t.data = ...`` or
-            ``t.set_(...)`` while the collective is pending would free that memory).
-        inflight: the communicator's list of pending works, which holds this one until its
-            request completes (it removes itself then): MPI still reads and writes its buffers,
-            and the standard forbids freeing a pending collective's request, so neither may die
-            with a handle the caller dropped. Later collectives test the oldest pending work,
-            which also runs its callbacks.
-
-    ``_test`` calls ``Request.Test()`` (which also drives MPI's progress engine); ``_wait`` polls
-    it until the request completes or the deadline passes, then raises :class:`TimeoutError`.
-    """
-
-    def __init__(
-        self,
-        request: MPI.Request,
-        description: DescriptionLike,
-        timeout: float | None,
-        keepalive: tuple[object, ...] = (),
-        inflight: list[MPIWork] | None = None,
-    ) -> None:
-        super().__init__(description, timeout)
-        self._request = request
-        # None once the request completed: nothing needs to outlive it any more.
-        self._keepalive: tuple[object, ...] | None = keepalive
-        self._inflight = inflight
-        if inflight is not None:
-            inflight.append(self)
-
-    def _release(self) -> None:
-        """The request completed: drop the buffers and leave the communicator's pending list."""
-        self._keepalive = None
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight.remove(self)
-
-    def _test(self) -> bool:
-        if self._request.Test():
-            self._release()
-            return True
-        return False
-
-    def _wait(self, timeout: float | None) -> None:
-        test = self._request.Test
-        now = time.perf_counter
-        start = now()
-        deadline = None if timeout is None else start + timeout
-        pause = 0.0
-        while True:
-            for _ in range(_TESTS_PER_CHECK):
-                if test():
-                    self._release()
-                    return
-            t = now()
-            if deadline is not None and t >= deadline:
-                raise TimeoutError(f"{self.description}: MPI request still pending")
-            waited = t - start
-            if waited < _SPIN_S:
-                if waited >= _YIELD_AFTER_S:
-                    os.sched_yield()  # let a peer rank that shares this core run
-            else:
-                pause = min(max(pause * 2.0, _SLEEP_START_S), _SLEEP_CAP_S)
-                time.sleep(pause)
-
-
-_HalfReduce = Callable[[torch.Tensor, torch.Tensor], object]
-_HALF_REDUCERS: dict[ReduceOp, _HalfReduce] = {
-    ReduceOp.SUM: torch.Tensor.add_,
-    ReduceOp.PRODUCT: torch.Tensor.mul_,
-    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
-    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
-}
-_half_ops: dict[tuple[torch.dtype, ReduceOp], MPI.Op] = {}
-_half_ops_lock = threading.Lock()
-
-
-def _half_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
-    """A user-defined MPI op reducing 16-bit floats of ``dtype`` in place with torch (cached).
-
-    MPI sees the data as ``MPI.INT16_T``; the op views its buffers as ``dtype`` tensors and
-    applies ``op`` (torch rounds each result to ``dtype``). Commutative.
-    """
-    key = (dtype, op)
-    with _half_ops_lock:
-        found = _half_ops.get(key)
-        if found is None:
-            reduce = _HALF_REDUCERS[op]
-
-            def _apply(inbuf: Any, inoutbuf: Any, _datatype: MPI.Datatype) -> None:
-                if len(inoutbuf):
-                    reduce(
-                        torch.frombuffer(inoutbuf, dtype=dtype),
-                        torch.frombuffer(inbuf, dtype=dtype),
-                    )
-
-            found = _half_ops[key] = MPI.Op.Create(_apply, commute=True)
-        return found
-
-
-class _ScratchPool:
-    """Reusable float32 buffers for the fp16/bf16 upcast, keyed by device.
-
-    A buffer is taken for the life of one collective and given back by its completion callback,
-    so overlapping async collectives never share one.
-    """
-
-    def __init__(self, keep: int = 4) -> None:
-        self._free: dict[torch.device, list[torch.Tensor]] = {}
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, device: torch.device) -> torch.Tensor:
-        """A 1-D float32 buffer of at least ``numel`` elements on ``device`` (uninitialised)."""
-        with self._lock:
-            free = self._free.setdefault(device, [])
-            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
-            if fits:
-                best = min(fits, key=lambda i: free[i].numel())
-                return free.pop(best)
-        return torch.empty(numel, dtype=torch.float32, device=device)
-
-    def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer from :meth:`take`; only the ``keep`` largest per device are kept."""
-        with self._lock:
-            free = self._free.setdefault(buf.device, [])
-            free.append(buf)
-            if len(free) > self._keep:
-                free.sort(key=lambda b: b.numel(), reverse=True)
-                del free[self._keep:]
-
-
-def _predefined_datatype(dtype: torch.dtype) -> MPI.Datatype:
-    """The predefined MPI datatype of a torch dtype that numpy can represent.
-
-    :func:`mpi4py.util.dtlib.from_numpy_dtype` returns a *duplicate* of the predefined type, which
-    MPICH's predefined reduction ops reject ("MPI_Op operation not defined for this datatype"), so
-    the duplicate is decoded to its predefined original and freed.
-    """
-    dup = dtlib.from_numpy_dtype(torch.empty(0, dtype=dtype).numpy().dtype)
-    try:
-        base, _combiner, _params = dup.decode()
-    finally:
-        dup.Free()
-    return base
 
 
 class MPICommunicator(Communicator):
@@ -360,27 +137,22 @@ class MPICommunicator(Communicator):
         index: int | None = dev.index
         if dev.type == "cuda" and index is None:
             dev = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
-        super().__init__(
-            rank=launch.rank,
-            world_size=launch.world_size,
-            local_rank=launch.local_rank,
-            device=dev,
-            timeout=timeout,
-        )
+        super().__init__(rank=launch.rank, world_size=launch.world_size,
+                         local_rank=launch.local_rank, device=dev, timeout=timeout)
         self.launch = launch
         self._comm: MPIModule.Intracomm | None = world.Dup()
         # Works whose requests have not completed, oldest first (see MPIWork).
         self._inflight: list[MPIWork] = []
-        self._scratch = _ScratchPool()
+        self._scratch = ScratchPool()
         self._datatypes: dict[torch.dtype, MPI.Datatype] = {}
-        # The datatypes of _SHORTCUT_DTYPES looked up so far: SUM of these is plain MPI_SUM.
+        # The datatypes of SUM_FAST dtypes looked up so far (the gradient path of _all_reduce).
         self._sum_datatypes: dict[torch.dtype, MPI.Datatype] = {}
         self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
         self._adapter: Any = None
         self._cuda_aware = False
         self._cuda_reason = ""
         if dev.type == "cuda":
-            from . import mpi_device  # lazy: needs cupy only on this branch
+            from .. import mpi_device  # lazy: needs cupy only on this branch
 
             self._cuda_aware, self._cuda_reason = mpi_device.cuda_aware_mpi()
             self._adapter = mpi_device.DeviceBufferAdapter(self._cuda_aware)
@@ -407,7 +179,7 @@ class MPICommunicator(Communicator):
 
     @property
     def cheap_collectives(self) -> bool:
-        """True for host memory: MPI reduces it where it lies, and an 8-byte all-reduce takes ~6 us.
+        """True for host memory: MPI reduces it where it lies, and a small all-reduce is cheap.
 
         Device memory goes through CuPy views or host staging, where the copy is not saved.
         """
@@ -445,41 +217,11 @@ class MPICommunicator(Communicator):
         key = (dtype, dev_type)
         cached = self._support_cache.get(key)
         if cached is None:
-            cached = self._support_cache[key] = self._classify(dtype, dev_type)
+            cached = self._support_cache[key] = classify(
+                dtype, dev_type, self.device.type, self.world_size, self._cuda_aware,
+                self._cuda_reason,
+            )
         return cached
-
-    def _classify(self, dtype: torch.dtype, dev_type: str) -> Support:
-        if dev_type != self.device.type:
-            return Support(
-                SupportLevel.UNSUPPORTED,
-                f"this mpi communicator works on {self.device.type} tensors, not {dev_type} "
-                "(pass device= to gradcomm.init)",
-            )
-        staged = dev_type == "cuda" and not self._cuda_aware
-        stage_note = (
-            f"; MPI is not CUDA-aware ({self._cuda_reason}), so data is staged through host memory"
-            if staged
-            else ""
-        )
-        if dtype in _NATIVE:
-            if staged:
-                return Support(SupportLevel.EMULATED_SLOW, stage_note[2:], dtype)
-            return Support(SupportLevel.NATIVE, "", dtype)
-        if dtype in _HALF:
-            if dev_type == "cpu" and self.world_size <= _USER_OP_MAX_WORLD:
-                return Support(
-                    SupportLevel.EMULATED_SLOW,
-                    f"MPI has no fast {dtype} reduction: reduced by a user-defined MPI op (a "
-                    "Python callback) over the 16-bit data",
-                    dtype,
-                )
-            return Support(
-                SupportLevel.EMULATED_SLOW,
-                f"MPI has no fast {dtype} reduction: upcast to float32, reduce, round back"
-                + stage_note,
-                torch.float32,
-            )
-        return Support(SupportLevel.UNSUPPORTED, f"the mpi backend cannot reduce {dtype}")
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
@@ -490,32 +232,36 @@ class MPICommunicator(Communicator):
         comm = self._comm
         if (datatype is not None and op is ReduceOp.SUM and comm is not None
                 and not self._inflight and self._adapter is None):
-            buf = _MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
+            buf = MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
             request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], MPI.SUM)
             request.Test()  # as below: a waiting peer gets this rank's data now
             return MPIWork(request, description, self._timeout,
                            (tensor, tensor.untyped_storage(), buf), self._inflight)
+        return self._post_all_reduce(tensor, op, description)
+
+    def _post_all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike
+    ) -> Work:
+        """Every all-reduce outside the gradient path: 16-bit data, bool, other ops, device
+        memory, or one issued while another is pending (which it drives first)."""
         comm = self._live_comm()
         dtype = tensor.dtype
         flat = tensor if tensor.dim() == 1 else tensor.view(-1)
         scratch: torch.Tensor | None = None
-        if dtype in _HALF and self._half_user_op(op):
+        if dtype in HALF and self._adapter is None and uses_user_op(op, self.world_size):
             wire = flat.view(torch.int16)
-            mpi_op, datatype = _half_op(dtype, op), MPI.INT16_T
+            reduce_op, datatype = half_op(dtype, op), MPI.INT16_T
         else:
-            if dtype in _HALF:
+            if dtype in HALF:
                 scratch = self._scratch.take(flat.numel(), flat.device)
                 wire = scratch[: flat.numel()]
                 wire.copy_(flat)
             else:
                 wire = flat
-            if op is ReduceOp.SUM and wire.dtype is not torch.bool:  # the gradient path: no lookup
-                mpi_op = MPI.SUM
-            else:
-                mpi_op = (_BOOL_OPS if wire.dtype == torch.bool else _MPI_OPS)[op]
+            reduce_op = mpi_op(op, wire.dtype)
             datatype = self._datatype(wire.dtype)
         buf, finish = self._prepare(wire)
-        request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], mpi_op)
+        request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], reduce_op)
         # One Test() at once: a peer already waiting gets this rank's first message now, not
         # after the Python that wraps the request (MPI advances only inside MPI calls).
         request.Test()
@@ -580,7 +326,7 @@ class MPICommunicator(Communicator):
             try:
                 oldest.is_completed()
             except Exception as exc:
-                if oldest._error is not exc:  # the transport failed, not a callback
+                if oldest.callback_error is not exc:  # the transport failed, not a callback
                     raise
                 # A completion step of that earlier collective failed (e.g. a copy-back into a
                 # tensor that was given other memory meanwhile). Raised here, before this
@@ -593,16 +339,6 @@ class MPICommunicator(Communicator):
             raise RuntimeError("mpi communicator is closed")
         return self._comm
 
-    def _half_user_op(self, op: ReduceOp) -> bool:
-        """Whether a float16/bfloat16 all-reduce with ``op`` uses the 16-bit user-defined op.
-
-        Host buffers only (a user op cannot run on device memory); MIN and MAX at any world size
-        (exact); SUM and PRODUCT up to ``_USER_OP_MAX_WORLD`` ranks (one rounding per element).
-        """
-        if self._adapter is not None:
-            return False
-        return op in (ReduceOp.MIN, ReduceOp.MAX) or self.world_size <= _USER_OP_MAX_WORLD
-
     def _work(
         self,
         request: MPI.Request,
@@ -614,8 +350,8 @@ class MPICommunicator(Communicator):
     def _datatype(self, dtype: torch.dtype) -> MPI.Datatype:
         found = self._datatypes.get(dtype)
         if found is None:
-            found = self._datatypes[dtype] = _predefined_datatype(dtype)
-            if dtype in _SHORTCUT_DTYPES:
+            found = self._datatypes[dtype] = predefined_datatype(dtype)
+            if dtype in SUM_FAST:
                 self._sum_datatypes[dtype] = found
         return found
 
@@ -631,9 +367,8 @@ class MPICommunicator(Communicator):
         # A CUDA communicator only ever sees CUDA tensors (_check_tensor), so "has an adapter"
         # means "device tensor"; tests give a CPU communicator a fake adapter to run this path.
         if self._adapter is None:
-            # A raw view of the tensor's memory (the Work keeps the tensor alive): ~0.2 us per
-            # call against ~0.5 us for wire.numpy(), whose cost grew to ~6 us per 1 MiB call
-            # between collectives (benchmarks/call_overhead.py).
-            return _MPI_BUFFER.fromaddress(wire.data_ptr(), wire.nbytes), None
+            # A raw view of the tensor's memory (the Work keeps the tensor alive): cheaper per call
+            # than wire.numpy() (benchmarks/call_overhead.py).
+            return MPI_BUFFER.fromaddress(wire.data_ptr(), wire.nbytes), None
         buf, finish = self._adapter.prepare(wire, read=read, write=write)
         return buf, finish

@@ -1,0 +1,29 @@
+"""The MPI backend: collectives over mpi4py (see :mod:`.communicator` for its capability table).
+
+One concept per module: :mod:`.communicator` (the :class:`MPICommunicator`), :mod:`.work`
+(request handles and how waiting polls MPI), :mod:`.ops16` (16-bit user-defined reduction ops),
+:mod:`.scratch` (float32 upcast buffers), :mod:`.dtypes` (dtype and op maps), :mod:`.support`
+(the capability answers).
+"""
+
+from __future__ import annotations
+
+try:
+    from mpi4py import MPI  # noqa: F401 - imported first, for this error message
+    from mpi4py.util import dtlib  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "the mpi backend needs the mpi4py package and an MPI library: pip install mpi4py mpich"
+    ) from _exc
+
+from ...mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
+from .communicator import MPICommunicator
+from .work import MPIWork
+
+__all__ = [
+    "MPICommunicator",
+    "MPIWork",
+    "install_abort_hook",
+    "abort_on_error_enabled",
+    "ABORT_ENV_VAR",
+]
