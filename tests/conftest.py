@@ -1,5 +1,44 @@
 import sys
+from collections.abc import Generator, Iterable
 from pathlib import Path
+
+import pytest
 
 # Spawned children unpickle test functions by module name, so tests/ must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dist_utils  # after the path above
+
+
+def missing_markers(launched: Iterable[str], marked: Iterable[str]) -> list[str]:
+    """The launch kinds (``mpi``, ``multiprocess``) among ``launched`` without a marker."""
+    return sorted(set(launched) - set(marked))
+
+
+def _check_markers(item: pytest.Item, since: int) -> None:
+    """Fail ``item`` if what it launched since ``dist_utils.launches[since]`` lacks a marker, so
+    ``-m "not mpi"`` and ``-m "not multiprocess"`` deselect every test that starts processes."""
+    marked = [m.name for m in item.iter_markers()]
+    missing = missing_markers(dist_utils.launches[since:], marked)
+    if missing:
+        pytest.fail(
+            f"{item.nodeid} starts processes but lacks the marker(s) "
+            + ", ".join(f"@pytest.mark.{k}" for k in missing),
+            pytrace=False,
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    since = len(dist_utils.launches)  # module fixtures run here, for the first test using them
+    result = yield
+    _check_markers(item, since)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    since = len(dist_utils.launches)
+    result = yield
+    _check_markers(item, since)
+    return result

@@ -61,6 +61,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# ----------------------------------------------------------------------------- launch records
+#: What the running test has launched, in order: "mpi" (mpiexec) or "multiprocess" (spawned
+#: ranks, torchrun). conftest.py fails a test that launched a kind without carrying its marker.
+launches: list[str] = []
+
+
+def note_launch(kind: str) -> None:
+    """Record that the running test starts processes of ``kind`` ("mpi" or "multiprocess")."""
+    if kind not in ("mpi", "multiprocess"):
+        raise ValueError(f"unknown launch kind {kind!r}")
+    launches.append(kind)
+
+
+def command_kinds(cmd: Sequence[str]) -> list[str]:
+    """The launch kinds of a command line: "mpi" when it starts with mpiexec/mpirun,
+    "multiprocess" when it runs torchrun (also inside mpiexec)."""
+    words = [str(c) for c in cmd]
+    kinds = []
+    if words and Path(words[0]).name.startswith(("mpiexec", "mpirun")):
+        kinds.append("mpi")
+    if any(Path(w).name == "torchrun" or w == "torch.distributed.run" for w in words):
+        kinds.append("multiprocess")
+    return kinds
+
+
+def popen_rank(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
+    """``subprocess.Popen(cmd, **kwargs)`` for one rank of a job a test starts by hand."""
+    note_launch("multiprocess")
+    return subprocess.Popen(list(cmd), **kwargs)
+
+
 def _child(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, env: Mapping[str, str],
     args: tuple[Any, ...], results: Any,
@@ -99,6 +130,7 @@ def run_processes(
     ``timeout`` seconds. With ``expect_errors=True`` a rank's error is returned as
     ``("error", traceback_text)`` instead of failing the test.
     """
+    note_launch("multiprocess")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -198,6 +230,8 @@ def run_command(
     killed and the test fails with the output so far. With ``check=True`` a non-zero exit fails
     the test and shows the output. ``env`` is the complete environment (default: this process's).
     """
+    for kind in command_kinds(cmd):
+        note_launch(kind)
     shown = " ".join(str(c) for c in cmd)
     proc = subprocess.Popen(
         list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -215,6 +215,7 @@ def _device_rank(rank: int, world_size: int, out: str, device: str) -> int:
                  "--device", device, "--json", out, "--timeout", "60"])
 
 
+@pytest.mark.multiprocess
 def test_device_cpu_sweep_records_device(tmp_path: Path) -> None:
     out = tmp_path / "cpu.json"
     assert run_processes(_device_rank, 1, str(out), "cpu", timeout=60) == [0]
@@ -223,6 +224,7 @@ def test_device_cpu_sweep_records_device(tmp_path: Path) -> None:
     assert [r.wrong for r in result.rows] == [0, 0]
 
 
+@pytest.mark.multiprocess
 def test_device_the_backend_cannot_use_is_an_error(tmp_path: Path) -> None:
     # gloo works on the CPU only: --device cuda must fail clearly, not silently use the CPU.
     got = run_processes(_device_rank, 1, str(tmp_path / "x.json"), "cuda", timeout=60,
@@ -301,6 +303,7 @@ def test_sweep_rejects_bad_arguments_before_any_collective() -> None:
     comm.close()
 
 
+@pytest.mark.multiprocess
 def test_tiny_gloo_sweep_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "gloo.json"
     assert run_processes(_sweep_rank, 2, str(out), timeout=90) == [0, 0]

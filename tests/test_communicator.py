@@ -404,6 +404,7 @@ def _gloo_suite(rank: int, world_size: int, handshake: str) -> str:
         return full_suite(comm, Path(handshake), EXACT_DTYPES + HALF_DTYPES)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gloo_suite(world_size: int, tmp_path: Path) -> None:
     assert run_processes(_gloo_suite, world_size, str(tmp_path), timeout=90) == ["ok"] * world_size
@@ -442,6 +443,7 @@ def _gloo_timeout(rank: int, world_size: int, timeout: float, flag: str) -> floa
         return "no error"
 
 
+@pytest.mark.multiprocess
 def test_gloo_rank_that_stops_calling_times_out_the_others(tmp_path: Path) -> None:
     timeout = 3.0
     elapsed, idle = run_processes(
@@ -501,6 +503,7 @@ def _gloo_longer_wait(rank: int, world_size: int, flag: str) -> object:
         return "no error"
 
 
+@pytest.mark.multiprocess
 def test_gloo_wait_cannot_outlast_the_group_timeout_and_says_so(tmp_path: Path) -> None:
     # gloo ends the collective at the process group's timeout (init's) whatever the wait asks.
     (elapsed, message), idle = run_processes(_gloo_longer_wait, 2, str(tmp_path / "f"), timeout=90)
@@ -510,6 +513,7 @@ def test_gloo_wait_cannot_outlast_the_group_timeout_and_says_so(tmp_path: Path) 
     assert "the wait asked for no limit" in message, message
 
 
+@pytest.mark.multiprocess
 def test_gloo_work_wait_timeout_then_complete(tmp_path: Path) -> None:
     out = run_processes(_gloo_wait_timeout, 2, str(tmp_path / "late"), timeout=90)
     assert out == [([3.0] * 5, [2.0, 2.0])] * 2
@@ -544,6 +548,7 @@ def _gloo_peer_closes(rank: int, world_size: int, flag: str) -> object:
             seen.touch()
 
 
+@pytest.mark.multiprocess
 def test_gloo_failed_collective_is_never_reported_complete(tmp_path: Path) -> None:
     # torch's Work.is_completed() is True for a failed collective too; ours must raise instead,
     # or a caller polling it would take the unreduced tensor as the result.

@@ -73,6 +73,7 @@ def _same_training(losses: list[float], reference: list[float]) -> None:
     assert losses[0] == pytest.approx(reference[0], rel=1e-3), (losses, reference)
 
 
+@pytest.mark.multiprocess
 def test_torchrun(single_process_losses: list[float]) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m",
@@ -116,6 +117,7 @@ def _diverging_run(rank: int, world_size: int) -> int:
     return int(example.main(["--epochs", "1", "--log-level", "WARNING"]))
 
 
+@pytest.mark.multiprocess
 def test_differing_parameters_exit_non_zero() -> None:
     assert run_processes(_diverging_run, 2, timeout=RUN_TIMEOUT) == [1, 1]
 
@@ -124,6 +126,7 @@ def _bad_training_run(rank: int, world_size: int, extra: list[str]) -> int:
     return int(_load_example().main(["--epochs", "2", "--log-level", "ERROR", *extra]))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("extra", "code"),
     [(["--lr", "50"], 1), (["--batch-size", "1"], 2)],
@@ -141,6 +144,7 @@ def _device_run(rank: int, world_size: int, device: str) -> int:
                                      "--device", device]))
 
 
+@pytest.mark.multiprocess
 def test_explicit_cpu_device() -> None:
     assert run_processes(_device_run, 2, "cpu", timeout=RUN_TIMEOUT) == [0, 0]
 

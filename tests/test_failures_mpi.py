@@ -27,6 +27,7 @@ RUNS = {
 }
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("n", sorted(RUNS))
 def test_mpi_failure_cases(n: int) -> None:

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from dist_utils import REPO_ROOT, TESTS_DIR, free_port, run_mpi
+from dist_utils import REPO_ROOT, TESTS_DIR, free_port, popen_rank, run_mpi
 
 SCRIPT = TESTS_DIR / "mpi_scripts" / "failure_kill.py"
 TIMEOUT = 4.0  # the collective timeout given to gradcomm, seconds
@@ -61,9 +61,9 @@ def _run_torchrun_like(world_size: int, args: list[str], env: dict[str, str],
                 "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                 "OMP_NUM_THREADS": "1", "GRADCOMM_BACKEND": "gloo", **env}
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *args], env=full,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        procs.append(popen_rank([sys.executable, str(SCRIPT), *args], env=full,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True))
     codes: list[int | None] = [None] * world_size
     ended = [float("inf")] * world_size
     deadline = time.time() + limit
@@ -84,6 +84,7 @@ def _run_torchrun_like(world_size: int, args: list[str], env: dict[str, str],
     return codes, ended, "\n".join(outputs)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("mode", "source"), [("kill", "arg"), ("raise", "arg"), ("stall", "env")])
 def test_gloo_rank_fails_mid_backward(mode: str, source: str) -> None:
@@ -112,6 +113,7 @@ def test_gloo_rank_fails_mid_backward(mode: str, source: str) -> None:
         assert codes[-1] == 1 and "deliberate failure on rank 2 mid-backward" in out, (codes, out)
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("mode", "source"), [("kill", "env"), ("raise", "env"), ("stall", "arg")])
 def test_mpi_rank_fails_mid_backward_ends_the_job(mode: str, source: str) -> None:

@@ -479,6 +479,7 @@ def _nccl_rank(rank: int, world_size: int) -> float:
         return _grad_check(comm)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.gpu
 @needs_cuda
 @needs_two_gpus
@@ -514,6 +515,7 @@ def test_cupy_nccl_world_size_1_drives_nccl() -> None:
         assert cupy.asnumpy(x).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
 
 
+@pytest.mark.mpi
 @pytest.mark.gpu
 @needs_cuda
 def test_cupy_nccl_under_mpiexec_without_master_addr() -> None:
@@ -528,6 +530,7 @@ def test_cupy_nccl_under_mpiexec_without_master_addr() -> None:
 
 
 # ============================================================================ GPU: mpi + CUDA
+@pytest.mark.mpi
 @pytest.mark.gpu
 @needs_cuda
 def test_mpi_with_cuda_buffers_two_ranks_sharing_a_gpu() -> None:

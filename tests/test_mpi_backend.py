@@ -33,6 +33,7 @@ def _results(output: str, prefix: str) -> list[str]:
     return [line.rstrip() for line in found]
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_every_op_and_dtype(n: int) -> None:
     out = run_mpi(SCRIPTS / "mpi_backend_collectives.py", n, timeout=60).stdout
@@ -42,6 +43,7 @@ def test_collectives_every_op_and_dtype(n: int) -> None:
     ), out
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_all_reduce_shortcut_and_every_fallback_give_the_general_paths_values(n: int) -> None:
     out = run_mpi(SCRIPTS / "mpi_backend_shortcut.py", n, timeout=60).stdout
@@ -50,6 +52,7 @@ def test_all_reduce_shortcut_and_every_fallback_give_the_general_paths_values(n:
     ), out
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("case", ["same", "size"])
 def test_launch_settings_that_disagree_with_mpi_raise_on_every_rank(case: str) -> None:
     # "same": every rank passed rank=0; rank 0's values matched MPI's, so it used to wait forever
@@ -64,6 +67,7 @@ def test_launch_settings_that_disagree_with_mpi_raise_on_every_rank(case: str) -
         assert wrong in line, out
 
 
+@pytest.mark.mpi
 def test_device_buffer_path_with_fake_adapters() -> None:
     out = run_mpi(SCRIPTS / "mpi_backend_staging.py", 2, timeout=60).stdout
     for mode in ("zero-copy", "staged", "real-adapter"):
@@ -93,6 +97,7 @@ def test_world_size_one_plain_python_issues_no_collective() -> None:
     assert _results(proc.stdout, "single") == ["RESULT single calls=0 launcher=single"], proc.stdout
 
 
+@pytest.mark.mpi
 def test_world_size_one_mpiexec_issues_no_collective() -> None:
     import torch
 
@@ -106,6 +111,7 @@ def test_world_size_one_mpiexec_issues_no_collective() -> None:
         assert "torch.cuda.is_available() is False" in cuda, cuda
 
 
+@pytest.mark.mpi
 def test_timeout_raises_and_job_ends_non_zero() -> None:
     # Rank 1 sleeps 600 s after skipping the collective; only the abort hook ends it in time.
     proc = run_mpi(SCRIPTS / "mpi_backend_timeout.py", 2, ["2"], timeout=40, check=False)
@@ -120,6 +126,7 @@ def test_timeout_raises_and_job_ends_non_zero() -> None:
     assert "unusable" in broken and "timed out" in broken, broken
 
 
+@pytest.mark.mpi
 def test_gloo_under_mpiexec_stalled_rank_ends_the_job() -> None:
     # The gloo rendezvous initialised MPI; without the abort hook rank 0 would time out, then
     # hang in MPI_Finalize at exit waiting for rank 1 (asleep for 600 s).
@@ -134,6 +141,7 @@ def test_gloo_under_mpiexec_stalled_rank_ends_the_job() -> None:
     assert elapsed < 40, (elapsed, out)  # the job ended long before rank 1 woke up
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_all_gather_with_input_aliasing_output(backend: str) -> None:
     # MPI rejects (or silently mis-reads) a send buffer inside the receive buffer; the base
@@ -142,6 +150,7 @@ def test_all_gather_with_input_aliasing_output(backend: str) -> None:
     assert len(_results(proc.stdout, "alias-ok")) == 2, proc.stdout
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("case", ["dropped", "short-wait", "swapped"])
 def test_pending_collectives_keep_their_buffers_and_block_only_while_pending(case: str) -> None:
     proc = run_mpi(SCRIPTS / "mpi_backend_pending.py", 2, [case], timeout=60)
@@ -150,6 +159,7 @@ def test_pending_collectives_keep_their_buffers_and_block_only_while_pending(cas
     ], proc.stdout
 
 
+@pytest.mark.mpi
 def test_uncaught_error_aborts_the_job() -> None:
     # Rank 0 would wait 300 s in its barrier; the abort hook ends the job when rank 1 raises.
     proc = run_mpi(SCRIPTS / "mpi_backend_abort.py", 2, ["300"], timeout=40, check=False)
@@ -160,6 +170,7 @@ def test_uncaught_error_aborts_the_job() -> None:
     assert not _results(out, "barrier-timeout"), out
 
 
+@pytest.mark.mpi
 def test_abort_hook_opt_out() -> None:
     # Without the hook, rank 0 is left in its barrier until the (short) timeout.
     proc = run_mpi(
@@ -173,6 +184,7 @@ def test_abort_hook_opt_out() -> None:
     assert "MPI_Abort" not in out.split("RESULT barrier-timeout")[0], out
 
 
+@pytest.mark.mpi
 def test_gloo_rendezvous_through_mpi() -> None:
     out = run_mpi(
         SCRIPTS / "mpi_backend_gloo_rendezvous.py", 2, timeout=60,
@@ -224,6 +236,7 @@ _BAD_ONE_RANK = {  # case: what every rank's message must contain
 _RAISED_AS = {"env_arg": "TypeError", "placement_with_store": "RuntimeError"}  # else ValueError
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize(
     ("backend", "case"),
     # the mpi backend uses no store: a MASTER_ADDR on one rank is harmless there
@@ -248,6 +261,7 @@ def test_a_setting_bad_on_one_rank_raises_on_every_rank(backend: str, case: str)
     assert sorted(_results(out, "after")) == [f"RESULT after rank={r} {total}" for r in range(n)]
 
 
+@pytest.mark.mpi
 def test_a_process_local_communicator_on_one_rank_does_not_wait_for_the_others() -> None:
     out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["local_only"], timeout=60).stdout
     assert sorted(_results(out, "noagree")) == [
@@ -255,6 +269,7 @@ def test_a_process_local_communicator_on_one_rank_does_not_wait_for_the_others()
         "RESULT noagree local_only rank=1 3"], out
 
 
+@pytest.mark.mpi
 def test_init_after_mpi4py_was_imported_without_mpi_init() -> None:
     port = str(free_port())
     out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["info_first", port], timeout=60).stdout
@@ -262,6 +277,8 @@ def test_init_after_mpi4py_was_imported_without_mpi_init() -> None:
         f"RESULT noagree info_first rank={r} [3.0, 3.0, 3.0]" for r in range(2)], out
 
 
+@pytest.mark.mpi
+@pytest.mark.multiprocess
 def test_torchrun_started_by_mpiexec_does_not_initialise_mpi() -> None:
     # torchrun's variables win; its workers were not started by MPI, where PMI_Init fails
     exe = require_mpi()
@@ -277,6 +294,7 @@ def test_torchrun_started_by_mpiexec_does_not_initialise_mpi() -> None:
         for r in range(2)], out
 
 
+@pytest.mark.mpi
 def test_a_rank_that_never_joins_the_settings_check_is_a_timeout_not_a_hang() -> None:
     start = time.monotonic()
     out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["local_vs_global"], timeout=60,
@@ -289,6 +307,7 @@ def test_a_rank_that_never_joins_the_settings_check_is_a_timeout_not_a_hang() ->
     assert time.monotonic() - start < 45, out
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_a_correct_placement_given_on_one_rank_only_still_works(backend: str) -> None:
     # the rank with rank=/world_size= used to skip the settings check while the others ran it:
@@ -299,6 +318,7 @@ def test_a_correct_placement_given_on_one_rank_only_still_works(backend: str) ->
         f"RESULT noagree explicit_on_one_rank rank={r} [3.0, 3.0]" for r in range(2)], out
 
 
+@pytest.mark.mpi
 def test_init_after_a_timed_out_settings_check_is_refused_not_garbled() -> None:
     out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["retry_after_timeout"], timeout=60,
                   check=False).stdout

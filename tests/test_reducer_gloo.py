@@ -10,6 +10,7 @@ import math
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from mpi_scripts.reducer_common import (
     ComplexNet,
@@ -132,6 +133,7 @@ def _gloo_checks(rank: int, world_size: int) -> bytes:
     return _as_bytes(out)
 
 
+@pytest.mark.multiprocess
 def test_gloo_two_ranks_values() -> None:
     ws = 2
     res = [torch.load(io.BytesIO(b)) for b in run_processes(_gloo_checks, ws, timeout=120)]

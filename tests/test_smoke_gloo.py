@@ -1,5 +1,6 @@
 """Smoke test of the harness and the gloo backend on two real processes."""
 
+import pytest
 import torch
 
 import gradcomm
@@ -14,6 +15,7 @@ def _avg(rank: int, world_size: int) -> list[float]:
         return t.tolist()
 
 
+@pytest.mark.multiprocess
 def test_gloo_avg_two_processes() -> None:
     out = run_processes(_avg, 2, timeout=60)
     assert out == [[1.5, 1.5, 1.5]] * 2
