@@ -1357,7 +1357,7 @@ def test_a_failure_seen_anywhere_in_backward_refuses_later_backwards(
             sent.append(bucket.index())
             return _FailedWork("fake all_reduce", None)
 
-        reducer._hook = failing  # the transport breaks (not register_comm_hook: that is refused)
+        reducer._comm_hook.fn = failing  # the transport breaks (register_comm_hook refuses)
         errors = []
         for _ in range(2):
             with pytest.raises(RuntimeError) as info:

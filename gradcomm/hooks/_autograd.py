@@ -1,0 +1,152 @@
+"""The autograd glue: the hooks through which torch drives a reducer's backward pass.
+
+A post-accumulate-grad hook per parameter (:func:`on_grad_ready`) stages the gradient and launches
+the buckets that became ready; the first one of a backward pass queues one end-of-backward callback
+(:class:`BackwardEnd`) on the autograd engine; a forward pre-hook on the module
+(:class:`ForwardPreHook`) runs the model checks before each forward. Everything here only forwards
+to the :class:`~gradcomm.hooks._backward.BackwardPass` (or the reducer), so that torch's hooks hold
+nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ._backward import BackwardPass
+    from .reducer import GradientReducer
+
+__all__ = ["BackwardEnd", "ForwardPreHook", "StrongRef", "PassRef", "before_accumulate",
+           "current_autograd_node", "on_grad_ready", "queue_engine_callback"]
+
+
+def queue_engine_callback(fn: Any) -> None:
+    """Run ``fn`` when the autograd engine's current graph task ends."""
+    # torch has no public API to run code when a backward pass ends (the proposal to expose
+    # torch.autograd.graph.queue_callback, pytorch#193958, was not merged); torch DDP and FSDP use
+    # this same engine method.
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def current_autograd_node() -> Any:
+    """The node the autograd engine is running on this thread, None outside a backward pass."""
+    # Used to tell the end of a nested (reentrant) backward from the end of the outermost one.
+    return torch._C._current_autograd_node()
+
+
+class BackwardEnd:
+    """The end-of-backward callback of one backward pass (weakly referenced by its pass)."""
+
+    __slots__ = ("__weakref__", "backward")
+
+    def __init__(self, backward: BackwardPass) -> None:
+        self.backward = backward
+
+    def __call__(self) -> None:
+        self.backward.on_backward_end(self)
+
+
+class _InertHook:
+    """What a copy of a wrapped module holds where the original has the reducer's forward hook."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        return None
+
+
+class ForwardPreHook:
+    """The reducer's forward pre-hook on its module (it keeps the reducer alive).
+
+    A copy of the module (``copy.deepcopy``, or ``torch.save``/pickle of the whole module) gets an
+    :class:`_InertHook` in its place, so the copy is an ordinary local module -- as the ``.module``
+    of a DDP wrapper is -- and copying never tries to copy the communicator (which cannot be).
+    """
+
+    __slots__ = ("reducer",)
+
+    def __init__(self, reducer: GradientReducer) -> None:
+        self.reducer = reducer
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.reducer._on_forward(module)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
+        return _InertHook()
+
+    def __reduce__(self) -> tuple[type[_InertHook], tuple[()]]:
+        return (_InertHook, ())
+
+
+#: How a parameter's gradient hook finds its backward pass (see :func:`on_grad_ready`).
+PassRef = Callable[[], "BackwardPass | None"]
+
+
+class StrongRef:
+    """Called like a weak reference, but keeps the pass alive (see :func:`on_grad_ready`)."""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, target: BackwardPass) -> None:
+        self._target = target
+
+    def __call__(self) -> BackwardPass:
+        return self._target
+
+
+def before_accumulate(ref: PassRef, grad: torch.Tensor) -> None:
+    """Tensor hook (before accumulation) of a parameter-list reducer in view mode: send the rest
+    of a failed backward pass before autograd adds the new gradient into a view (see the
+    reducer's ``__init__``)."""
+    bw = ref()
+    if bw is not None and bw.epoch_active and bw.token() is None:
+        bw.discard_if_stale()
+
+
+def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of parameter ``pid``: stage its gradient, launch ready buckets.
+
+    ``ref()`` gives the backward pass: a weak reference when the reducer wraps a module (whose
+    forward hook keeps the reducer, and so its pass, alive), because torch does not show a
+    tensor's hooks to Python's garbage collector and a strong reference here would keep every
+    reducer and module dropped without ``remove()`` alive for good; a :class:`StrongRef` when it
+    was built from parameters (nothing else holds it). A function, not a method, so that the
+    lookup costs no extra Python call on this path (it runs once per parameter per backward).
+    """
+    bw = ref()
+    if bw is None or not bw.require_sync or bw.removed:
+        return
+    grad = param.grad
+    if grad is not None and grad.layout is not torch.strided:
+        raise TypeError(f"parameter {bw.names[pid]} has a {grad.layout} gradient; "
+                        "gradcomm reduces dense gradients only (use sparse=False)")
+    # Runs once per parameter per backward: the checks of discard_if_stale and poll are
+    # inlined so that the common case calls nothing.
+    if bw.epoch_active and bw.token() is None:
+        bw.discard_if_stale()
+    if not bw.epoch_active:
+        bw.begin()
+    bidx, slot = bw.loc[pid]
+    bucket = bw.buckets[bidx]
+    if bw.ready[pid]:
+        if bucket.work is not None:
+            bw.abort()
+            raise RuntimeError(
+                f"the gradient of {bw.names[pid]} was accumulated again after "
+                f"{bucket.label()} was sent in this backward pass; this happens when a "
+                "parameter is used both inside and outside a reentrant activation checkpoint "
+                "(use torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
+            )
+        bucket.stage(slot)  # accumulated again before the bucket left: copy again
+        return
+    bw.ready[pid] = True
+    bucket.stage(slot)
+    bucket.pending -= 1
+    if bw.overlap and bucket.pending == 0 and bidx == bw.next:
+        bw.launch_ready()
+    if bw.polled < bw.next:
+        bw.poll()

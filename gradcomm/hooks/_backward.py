@@ -1,0 +1,370 @@
+"""The per-backward state machine of a reducer: ready, launch, poll, finish, abort.
+
+One backward pass (an *epoch*) goes: the first gradient hook :meth:`BackwardPass.begin`\\ s it
+(checks, and one end-of-backward callback queued on the autograd engine); each gradient marks its
+parameter ready, and when every parameter of the lowest-index bucket not yet launched is ready that
+bucket is launched through the comm hook -- strictly in index order, so every rank issues the same
+collectives in the same order (torch DDP's reducer does the same); in-flight collectives are polled
+from the hooks (MPI progresses only inside MPI calls). At the end of backward :meth:`finish`
+launches the rest (no gradient on this rank counts as zeros), waits for every bucket in order and
+writes the averages back. A pass that raised is noticed at the next forward, backward or
+``synchronize()``, and :meth:`abort` sends its remaining buckets marked as failed, so that the
+other ranks' backward of that step raises too instead of pairing collectives of different steps.
+
+Nested backward passes (reentrant activation checkpointing) run their own autograd graph task; a
+callback that fires at the end of such an inner task defers itself to the end of the outer one.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..comm.communicator import Communicator
+from ..comm.errors import CollectiveTimeoutError
+from ..comm.work import Work
+from ._autograd import BackwardEnd, current_autograd_node, queue_engine_callback
+from ._buckets import Bucket, overlapping_grads
+from ._guard import ModelGuard
+from ._options import ReducerOptions, qualified_name
+from ._sync import broadcast_tensors, check_fingerprint
+from .comm_hooks import CommHookFn, GradBucket
+
+__all__ = ["BackwardPass", "CommHookSlot"]
+
+logger = logging.getLogger("gradcomm.hooks")
+
+_PRESENCE_LABEL = "presence flags of the in-place gradients"
+
+
+class CommHookSlot:
+    """The comm hook a reducer sends its buckets through, and whether ranks agreed on it."""
+
+    def __init__(self, fn: CommHookFn, state: Any) -> None:
+        self.fn = fn
+        self.state = state
+        # Set by the first synchronised backward, which checks that every rank uses one hook.
+        self.agreed = False
+
+    def agree(self, comm: Communicator) -> None:
+        """Check, with one all-gather (none at world_size 1), that every rank uses this hook.
+
+        Raises:
+            ValueError: on every rank, when the ranks' hooks differ.
+            CollectiveTimeoutError: a rank did not arrive.
+        """
+        check_fingerprint(
+            comm, [f"GradientReducer comm_hook={qualified_name(self.fn)}"],
+            problem="the comm hook differs across ranks (checked at the first synchronised "
+                    "backward pass, before any bucket was sent)",
+            fix="Call register_comm_hook with the same hook on every rank, before training.",
+            entry="the comm hook",
+        )
+        self.agreed = True
+
+    def send(self, b: Bucket, grad_bucket: GradBucket) -> None:
+        """Start the reduction of ``grad_bucket`` (``b``'s buffer) and keep its Work in ``b``.
+
+        Raises:
+            TypeError: the hook returned something other than a gradcomm Work.
+        """
+        b.grad_bucket = grad_bucket
+        work = self.fn(self.state, grad_bucket)
+        if not isinstance(work, Work):
+            raise TypeError(f"comm hook {getattr(self.fn, '__name__', self.fn)!r} returned "
+                            f"{type(work).__name__}, not a gradcomm Work")
+        b.work = work
+
+
+class BackwardPass:
+    """The reduction state of the current backward pass, and what runs it (see the module)."""
+
+    def __init__(self, comm: Communicator, buckets: list[Bucket], guard: ModelGuard,
+                 hook: CommHookSlot, options: ReducerOptions) -> None:
+        self.comm = comm
+        self.buckets = buckets
+        self.guard = guard
+        self.hook = hook
+        self.params = guard.params
+        self.names = guard.names
+        self.view = options.gradient_as_bucket_view
+        self.overlap = options.overlap
+        self.broadcast_buffers = options.broadcast_buffers
+        self.loc: list[tuple[int, int]] = [(0, 0)] * len(self.params)
+        for b in buckets:
+            for slot, pid in enumerate(b.param_ids):
+                self.loc[pid] = (b.index, slot)
+        # Presence flags of the in-place buckets (1 where this rank has the gradient), summed by
+        # one all-reduce at the end of each synchronised backward pass: float32, which every
+        # transport reduces natively and which counts ranks exactly.
+        self.in_place = [b for b in buckets if b.in_place]
+        # Hooks launch the shared buckets below this index; the rest go at the end of backward.
+        # At least one bucket always waits for the end-of-backward callback (the last shared one
+        # when there is no in-place bucket), so a backward that raises after its last parameter
+        # hook (a parameter-free branch that runs last, a read-only user hook registered after
+        # the reducer's) still has a bucket to send marked as failed (see abort), and the
+        # other ranks learn of the failure. Costs nothing where the last gradient is among the
+        # last things backward computes (the first layer's weight, as usual).
+        shared = len(buckets) - len(self.in_place)
+        self.hook_launch_limit = shared if self.in_place else max(shared - 1, 0)
+        self.presence = torch.zeros(
+            len(self.in_place), dtype=torch.float32,
+            device=self.in_place[0].device if self.in_place else None,
+        )
+        for k, b in enumerate(self.in_place):
+            b.flags = self.presence[k : k + 1]
+        self.presence_work: Work | None = None
+        self.overlapping: frozenset[int] = frozenset()
+        self.require_sync = True
+        self.epoch_active = False
+        self.ready = [False] * len(self.params)
+        self.next = 0  # next bucket to launch
+        self.polled = 0  # buckets below this index have completed
+        self.removed = False
+        # Why reduction stopped for good (a collective of some backward pass failed or timed out).
+        self.failed: str | None = None
+        self.checked = False  # module checked for replaced params since the last backward
+        self.token: weakref.ref[BackwardEnd] = weakref.ref(BackwardEnd(self))  # dead
+
+    # ------------------------------------------------------------------ forward
+    def on_forward(self, module: nn.Module) -> None:
+        """Before a forward of the wrapped module: settle a failed pass, check the model, and
+        broadcast the buffers if asked to."""
+        self.discard_if_stale()
+        self.guard.check()
+        self.checked = True  # begin need not check again
+        # As DDP: only a forward that will be followed by a synchronised backward broadcasts, so
+        # an evaluation under torch.no_grad() on some ranks only (or one inside no_sync) issues
+        # no collective; a recompute inside backward (checkpointing) does not either.
+        if (self.broadcast_buffers and self.require_sync and torch.is_grad_enabled()
+                and current_autograd_node() is None and self.failed is None):
+            broadcast_tensors(self.comm, [b for _, b in module.named_buffers()])
+
+    def discard_if_stale(self) -> None:
+        """Abort a pass whose backward raised (see :meth:`abort`)."""
+        # A backward pass that raised never runs its end-of-backward callback; the engine then
+        # drops the callback, which is how we notice (the weak reference is dead).
+        if self.epoch_active and self.token() is None:
+            logger.warning("GradientReducer: the previous backward pass ended with an error; "
+                           "discarding its partial reduction and sending the rest of its buckets "
+                           "marked as failed, so that the other ranks' backward of that step "
+                           "raises too")
+            self.abort()
+
+    # ------------------------------------------------------------------ backward
+    def begin(self) -> None:
+        """Start a pass (its first gradient hook): checks, then the end-of-backward callback.
+
+        Raises:
+            RuntimeError: an earlier pass failed; the model changed (see :class:`ModelGuard`).
+            ValueError, CollectiveTimeoutError: the ranks' comm hooks differ, or their check
+                timed out.
+        """
+        if self.failed is not None:
+            raise RuntimeError(
+                f"GradientReducer: an earlier backward pass failed ({self.failed}); this reducer "
+                "reduces nothing more, because the other ranks may have completed that step (a "
+                "late rank completes a collective that timed out here) and going on would average "
+                "different steps' gradients. Restart from a checkpoint, with a new communicator "
+                "and reducer."
+            )
+        if not self.hook.agreed:
+            # register_comm_hook is a local call: before the first bucket is sent, every rank
+            # checks that the others use the same hook (once per reducer).
+            try:
+                self.hook.agree(self.comm)
+            except CollectiveTimeoutError as exc:
+                self.mark_failed(f"checking the comm hook timed out: {exc}")
+                raise CollectiveTimeoutError(
+                    f"checking that every rank uses the same comm hook (at the first synchronised "
+                    f"backward pass): {exc}"
+                ) from exc
+        if not self.checked:
+            self.guard.check()
+        token = BackwardEnd(self)
+        self.token = weakref.ref(token)
+        self.epoch_active = True
+        queue_engine_callback(token)
+
+    def on_backward_end(self, token: BackwardEnd) -> None:
+        """The end-of-backward callback: finish the pass (or wait for the outer backward)."""
+        node = current_autograd_node()
+        if node is not None:
+            # End of a nested backward (reentrant checkpoint): run again when the outer node ends.
+            handle: list[RemovableHandle] = []
+
+            def requeue(*_: Any) -> None:
+                handle[0].remove()
+                queue_engine_callback(token)
+
+            handle.append(node.register_hook(requeue))
+            return
+        if self.epoch_active:  # synchronize() may have finished it already
+            self.finish()
+
+    def launch_ready(self) -> None:
+        """Launch, in index order, the buckets whose parameters are all ready (from the hooks)."""
+        try:
+            buckets = self.buckets
+            while (self.next < self.hook_launch_limit
+                   and buckets[self.next].pending == 0):  # the rest go at the end of backward
+                self.launch(buckets[self.next])
+                self.next += 1
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):  # the transport refused or failed a launch
+                self.mark_failed(f"{type(exc).__name__}: {exc}")
+            self.abort()
+            raise
+
+    def poll(self) -> None:
+        """Drive progress of in-flight collectives (MPI progresses only inside MPI calls)."""
+        while self.polled < self.next:
+            b = self.buckets[self.polled]
+            try:
+                if b.work is None or not b.work.is_completed():
+                    return
+            except RuntimeError as exc:  # the transport failed (gloo: a peer closed or timed out)
+                self.mark_failed(f"reducing {b.label()} failed: {exc}")
+                raise
+            self.polled += 1
+
+    def mark_failed(self, why: str) -> None:
+        """Refuse every later backward (see :meth:`begin`): after a collective failed or timed
+        out on this rank, the ranks may disagree on which steps completed."""
+        if self.failed is None:
+            self.failed = why
+
+    def launch(self, b: Bucket) -> None:
+        """Stage what is missing (no gradient on this rank: zeros) and send bucket ``b``."""
+        ready = self.ready
+        for slot, pid in enumerate(b.param_ids):
+            if not ready[pid]:  # flushed at the end of backward
+                b.stage(slot)
+        self.hook.send(b, b.prepare(self.overlapping))
+
+    def _send_presence(self) -> None:
+        """Post the in-place buckets' presence flags, once per backward pass (if there are any)."""
+        if self.in_place and self.presence_work is None:
+            self.presence_work = self.comm.all_reduce(
+                self.presence, async_op=True, label=_PRESENCE_LABEL
+            )
+
+    def finish(self) -> None:
+        """Launch the rest, wait for every bucket in order, and write the averages back.
+
+        Raises:
+            CollectiveTimeoutError: naming the bucket that timed out. RuntimeError: the transport
+                failed, or another rank's backward of this step raised (nothing written back).
+        """
+        try:
+            if self.in_place or not self.view:  # view mode repoints every grad to its view
+                self.overlapping = overlapping_grads(self.params)
+            while self.next < len(self.buckets):
+                self.launch(self.buckets[self.next])
+                self.next += 1
+            self._send_presence()
+            failed_elsewhere: str | None = None  # a bucket another rank sent as failed
+            for b in self.buckets:
+                assert b.work is not None  # every bucket was launched above
+                self._wait(b.work, b.label())
+                if (not b.in_place and failed_elsewhere is None
+                        and not b.write_back(self.overlapping)):
+                    failed_elsewhere = b.label()
+            if self.presence_work is not None:
+                self._wait(self.presence_work, _PRESENCE_LABEL)
+                if failed_elsewhere is None and any(f != f for f in self.presence.tolist()):
+                    failed_elsewhere = _PRESENCE_LABEL
+                if failed_elsewhere is None:
+                    for b in self.in_place:
+                        b.write_back(self.overlapping)
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
+                self.mark_failed(f"{type(exc).__name__}: {exc}")
+            if self.epoch_active:
+                self.abort()
+            raise
+        self._reset()
+        observer = self.comm.profiler
+        if observer is not None:
+            observer.step()  # a profiled step ends when its backward's buckets are reduced
+        if failed_elsewhere is not None:
+            raise RuntimeError(
+                f"GradientReducer: the backward pass of this step raised on another rank, which "
+                f"sent the rest of its buckets marked as failed ({failed_elsewhere} and after); "
+                "the gradients of this step are not averaged (those of later buckets were not "
+                "written back). Every rank's backward of this step raised (this error here, "
+                "the original one there): handle it alike on every rank -- skip the step "
+                "(optimizer.zero_grad()) or redo it -- and the ranks stay in step"
+            )
+
+    def _wait(self, work: Work, label: str) -> None:
+        try:
+            work.wait()
+        except CollectiveTimeoutError as exc:
+            self.mark_failed(f"reducing {label} timed out")
+            self.abort(wait=False)
+            raise CollectiveTimeoutError(f"reducing {label}: {exc}") from exc
+
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.reset()
+        self.presence_work = None
+        self.ready = [False] * len(self.params)
+        self.next = 0
+        self.polled = 0
+        self.epoch_active = False
+        self.checked = False
+
+    def _send_rest_as_failed(self) -> None:
+        """Send the buckets of this backward pass not sent yet, marked as failed (see
+        :meth:`abort`): a rank that receives a NaN flag raises instead of writing back."""
+        try:
+            with torch.no_grad():
+                while self.next < len(self.buckets):
+                    b = self.buckets[self.next]
+                    self.hook.send(b, b.failed())
+                    self.next += 1
+                if self.presence_work is None:  # not posted yet: it can still carry the mark
+                    self.presence.fill_(float("nan"))
+                self._send_presence()
+        except Exception as exc:  # noqa: BLE001 - already failing; wait for what went out
+            logger.warning("GradientReducer: sending the rest of a failed backward pass failed: "
+                           "%s", exc)
+
+    def abort(self, wait: bool = True) -> None:
+        """End a pass that failed on this rank, so the next step starts clean on every rank."""
+        # A backward pass that failed here (a user hook, a data-dependent error) may not have
+        # failed on the other ranks: they wait for the buckets this rank has not sent yet. Send
+        # them, marked as failed (NaN presence flags), so that the others' backward of this step
+        # raises too instead of averaging partial gradients or pairing the next step's buckets
+        # with these; then wait for what was sent, so the next step starts clean on every rank.
+        # Not after a timeout or a transport failure, and not past the first failure: the buckets
+        # behind a collective that timed out would each time out in turn (MPI cannot cancel
+        # them), so a hang would take one full timeout per bucket in flight to surface instead
+        # of one.
+        failed_here = wait and self.failed is None
+        if failed_here:
+            self._send_rest_as_failed()
+        if wait:
+            works = [(b.work, b.label()) for b in self.buckets[: self.next]]
+            works.append((self.presence_work, _PRESENCE_LABEL))
+            for work, label in works:
+                if work is not None:
+                    try:
+                        work.wait()
+                    except Exception as exc:  # noqa: BLE001 - already failing; keep the first
+                        logger.warning("GradientReducer: %s failed while aborting: %s; not "
+                                       "waiting for the buckets after it", label, exc)
+                        break
+        if failed_here and self.view:
+            # The views are param.grad: what the pass's buckets hold now (partial sums, NaN-flagged
+            # data) arrived after the error, perhaps after the caller's zero_grad(set_to_none=
+            # False), and would be added to the next step's gradients. The step failed: zero them.
+            for b in self.buckets:
+                b.zero()
+        self._reset()

@@ -1,0 +1,396 @@
+"""Bucket layout and storage: which gradients share a bucket, and how a bucket stages, sends and
+writes back its gradients.
+
+Layout (:func:`assign_buckets`): trainable parameters grouped by (device, dtype) in reverse
+registration order -- roughly the order backward produces their gradients -- each bucket closed
+when it reaches its cap (the first one ``first_cap``), as torch DDP's reducer lays them out. A
+gradient of at least the in-place threshold is a bucket of its own, reduced in ``param.grad``
+itself (as Horovod reduces tensors); those come after the shared buckets.
+
+Storage: a :class:`SharedBucket` owns one persistent flat buffer, allocated once, into which each
+gradient is copied pre-divided (or of which it is a view, ``gradient_as_bucket_view``); an
+:class:`InPlaceBucket` owns no buffer. Either has one presence flag per parameter (1 where this
+rank has the gradient) in a tensor the reducer sums across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm.work import Work
+from .comm_hooks import GradBucket
+
+__all__ = ["BucketInfo", "SharedBucket", "InPlaceBucket", "Bucket", "assign_buckets",
+           "bucket_strides", "overlapping_grads"]
+
+#: ``(registration index, name, parameter)`` of one trainable parameter.
+Entry = tuple[int, str, nn.Parameter]
+
+# What a bucket slot holds in this backward (gradient_as_bucket_view): nothing yet; the gradient,
+# pre-divided, with param.grad None until the send; the gradient accumulated in place in the view
+# (param.grad is the view), divided at launch.
+_EMPTY, _DIVIDED, _IN_VIEW = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    """Read-only description of one bucket (see :attr:`GradientReducer.buckets`).
+
+    Attributes:
+        index: launch order (0 first, holding the gradients backward produces first).
+        device: device of the flat buffer. dtype: its dtype.
+        numel: number of gradient elements. nbytes: ``numel * element size`` (bytes).
+        param_names: names of its parameters, in buffer order.
+        in_place: the bucket is one parameter whose gradient is all-reduced in place in
+            ``param.grad`` (see ``in_place_min_mb``); it has no buffer of its own.
+    """
+
+    index: int
+    device: torch.device
+    dtype: torch.dtype
+    numel: int
+    nbytes: int
+    param_names: tuple[str, ...]
+    in_place: bool = False
+
+
+def _dense_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """The strides of ``p``'s view in a shared bucket: dense, in ``p``'s memory order (as
+    ``torch.empty_like`` makes them; channels_last stays channels_last, like DDP's views)."""
+    return tuple(torch.empty_like(p, device="meta").stride())
+
+
+def bucket_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """:func:`_dense_strides` as the cross-rank fingerprint compares them: 0 for dims of size 1,
+    whose stride does not change where any element lies."""
+    return tuple(st if n > 1 else 0 for n, st in zip(p.shape, _dense_strides(p), strict=True))
+
+
+def assign_buckets(
+    params: list[Entry], cap_bytes: int, first_cap_bytes: int, in_place_bytes: int | None = None,
+) -> list[tuple[list[Entry], bool]]:
+    """Group by (device, dtype) in reverse order; close a bucket when it reaches its cap.
+
+    A parameter of at least ``in_place_bytes`` (None: none) is a bucket of its own, reduced in
+    place. Returns ``(group, in_place)`` pairs in launch order: the shared buckets by their first
+    parameter (highest registration index), descending -- the order backward fills them -- then
+    the in-place ones, in the same order (they are sent at the end of backward).
+    """
+    open_: dict[tuple[torch.device, torch.dtype], list[Entry]] = {}
+    size: dict[tuple[torch.device, torch.dtype], int] = {}
+    shared: list[list[Entry]] = []
+    in_place: list[list[Entry]] = []
+    for entry in reversed(params):
+        p = entry[2]
+        nbytes = p.numel() * p.element_size()
+        if in_place_bytes is not None and nbytes >= in_place_bytes:
+            in_place.append([entry])
+            continue
+        key = (p.device, p.dtype)
+        open_.setdefault(key, []).append(entry)
+        size[key] = size.get(key, 0) + nbytes
+        limit = first_cap_bytes if not shared else cap_bytes
+        if size[key] >= limit:
+            shared.append(open_.pop(key))
+            size[key] = 0
+    shared.extend(open_.values())
+    shared.sort(key=lambda b: -b[0][0])
+    return [(group, False) for group in shared] + [(group, True) for group in in_place]
+
+
+def overlapping_grads(params: list[nn.Parameter]) -> frozenset[int]:
+    """Start addresses (``data_ptr()``) of the gradients whose memory overlaps the gradient of
+    another parameter.
+
+    Autograd can give two parameters views of one memory as gradients (two ``p.unsqueeze(0)``
+    added to one activation, batch of 1): reducing both in place would divide and sum that
+    memory twice, and writing the results back into it would leave the last one in both --
+    and keep them aliased, so that with ``zero_grad(set_to_none=False)`` the next backward
+    adds both parameters' gradients into one memory. Such gradients are sent as copies and
+    get tensors of their own at write-back. Views that share a storage without overlapping
+    (``torch.stack`` of parameters, or a flat gradient buffer of the user's with ``p.grad``
+    set to views of it, as apex does) are reduced and written back where they lie, as DDP
+    does. Cheap when no storage is shared: one ``untyped_storage().data_ptr()`` per
+    gradient; only grads in a shared storage have their byte extents compared.
+    """
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    shared = False
+    for p in params:
+        g = p.grad
+        if g is not None and g.numel():
+            views = by_storage.setdefault(g.untyped_storage().data_ptr(), [])
+            views.append(g)
+            shared = shared or len(views) > 1
+    if not shared:
+        return frozenset()
+    spans = []  # (first byte, one past the last byte) of each grad in a shared storage
+    for views in by_storage.values():
+        if len(views) > 1:
+            for g in views:
+                last = sum((n - 1) * st for n, st in zip(g.shape, g.stride(), strict=True))
+                spans.append((g.data_ptr(), g.data_ptr() + (last + 1) * g.element_size()))
+    spans.sort()
+    overlapping: set[int] = set()
+    active: list[tuple[int, int]] = []  # spans that reach past the current start
+    for first, stop in spans:
+        active = [(a, b) for a, b in active if b > first]
+        if active:
+            overlapping.add(first)
+            overlapping.update(a for a, _ in active)
+        active.append((first, stop))
+    return frozenset(overlapping)
+
+
+class _BucketBase:
+    """What every bucket has: its parameters, divide factors and per-backward state."""
+
+    in_place = False
+
+    def __init__(self, index: int, params: list[Entry], factors: tuple[float, float],
+                 last: bool) -> None:
+        first = params[0][2]
+        self.index = index
+        self.device = first.device
+        self.dtype = first.dtype
+        self.param_ids = [i for i, _, _ in params]
+        self.names = tuple(n for _, n, _ in params)
+        self.params = tuple(p for _, _, p in params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.pre, self.post = factors
+        self.last = last
+        self.flags = torch.zeros(0)  # this bucket's slots of a presence tensor (set by the owner)
+        self.buffer: torch.Tensor | None = None  # in place: what was sent in the gradient's stead
+        self.views: list[torch.Tensor] = []
+        self.pending = len(self.params)
+        self.work: Work | None = None
+        self.grad_bucket: GradBucket | None = None
+
+    def info(self) -> BucketInfo:
+        return BucketInfo(self.index, self.device, self.dtype, self.numel,
+                          self.numel * self.params[0].element_size(), self.names, self.in_place)
+
+    def label(self) -> str:
+        assert self.grad_bucket is not None  # set by the first send
+        return self.grad_bucket.label()
+
+    def reset(self) -> None:
+        """Forget this backward pass (the buffer stays allocated)."""
+        self.pending = len(self.params)
+        self.work = None
+        self.buffer = None
+
+
+class SharedBucket(_BucketBase):
+    """A bucket with a persistent flat buffer: ``flat`` is ``numel`` gradient elements (``data``,
+    one view per parameter in ``views``) followed by one presence flag per parameter (``flags``),
+    in the bucket's dtype and on its device."""
+
+    def __init__(self, index: int, params: list[Entry], factors: tuple[float, float],
+                 last: bool, view: bool) -> None:
+        super().__init__(index, params, factors, last)
+        self.view = view
+        self.flat = torch.zeros(self.numel + len(self.params), dtype=self.dtype,
+                                device=self.device)
+        self.data = self.flat[: self.numel]
+        self.flags = self.flat[self.numel:]
+        offset = 0
+        for p in self.params:
+            self.views.append(self.data.as_strided(p.shape, _dense_strides(p), offset))
+            offset += p.numel()
+        self.present = [False] * len(self.params)  # this rank has a gradient (this backward)
+        self.slot_state = [_EMPTY] * len(self.params)  # gradient_as_bucket_view only
+        self.grad_bucket = GradBucket(index, self.flat, self.numel, self.params, self.names, last)
+
+    def reset(self) -> None:
+        super().reset()
+        self.slot_state = [_EMPTY] * len(self.params)
+
+    def stage(self, slot: int) -> None:
+        """Put one parameter's pre-divided gradient into its slot.
+
+        Copy mode: ``torch.div(grad, pre, out=view)``, one pass, as DDP's reducer does (a gradient
+        accumulated again before the bucket is sent is simply staged again).
+
+        ``gradient_as_bucket_view``: a gradient that already is the view (``zero_grad(set_to_none=
+        False)``: accumulated in place) is divided in place at launch. A fresh gradient is copied
+        and divided in one pass, and ``param.grad`` is set to None until the bucket is sent (then it
+        becomes the view): the fresh tensor is freed at once, and a gradient accumulated again
+        before the send (reentrant checkpointing) arrives as a new tensor that is added, divided,
+        to the slot instead of landing on an already divided view.
+        """
+        if torch.is_grad_enabled():  # backward(create_graph=True); otherwise autograd turned it off
+            with torch.no_grad():
+                return self.stage(slot)
+        p, v = self.params[slot], self.views[slot]
+        g = p.grad
+        pre = self.pre
+        state = self.slot_state[slot]  # stays _EMPTY in copy mode
+        if g is None:
+            if state != _DIVIDED:  # a staged view-mode slot reads None until the send
+                self.present[slot], self.slot_state[slot] = False, _EMPTY
+                v.zero_()  # no gradient on this rank counts as zeros
+            return
+        self.present[slot] = True
+        if g is v:  # view mode, accumulated in place: divided at launch
+            self.slot_state[slot] = _IN_VIEW
+            return
+        if state == _DIVIDED:  # view mode, accumulated again before the send: add this part
+            v.add_(torch.div(g, pre) if pre != 1.0 else g)
+        elif pre != 1.0:
+            torch.div(g, pre, out=v)
+        else:
+            v.copy_(g)
+        if self.view:
+            self.slot_state[slot] = _DIVIDED
+            p.grad = None  # becomes the view when the bucket is sent
+
+    def prepare(self, overlapping: frozenset[int]) -> GradBucket:
+        """Finish the staged buffer for the send (view mode: divide what was accumulated in the
+        views, point each ``param.grad`` at its view) and set the presence flags."""
+        with torch.no_grad():
+            if self.view:
+                pre, state = self.pre, self.slot_state
+                if pre != 1.0 and _IN_VIEW in state:
+                    if all(s == _IN_VIEW for s in state):
+                        self.data.div_(pre)  # one kernel for the whole bucket
+                    else:
+                        for slot, v in enumerate(self.views):
+                            if state[slot] == _IN_VIEW:
+                                v.div_(pre)
+                for slot, p in enumerate(self.params):
+                    if state[slot] == _DIVIDED:
+                        p.grad = self.views[slot]
+            if all(self.present):
+                self.flags.fill_(1)
+            else:
+                self.flags.copy_(torch.tensor(self.present, dtype=self.dtype))
+        assert self.grad_bucket is not None  # made in __init__
+        return self.grad_bucket
+
+    def failed(self) -> GradBucket:
+        """What to send in a backward pass that failed here: the buffer, flags set to NaN."""
+        with torch.no_grad():
+            self.flags.fill_(float("nan"))
+        assert self.grad_bucket is not None  # made in __init__
+        return self.grad_bucket
+
+    def write_back(self, overlapping: frozenset[int]) -> bool:
+        """Average and write back the summed buffer; False (nothing written) when another rank
+        sent it as failed (NaN presence flags)."""
+        post = self.post
+        flags = self.flags.tolist()
+        if any(f != f for f in flags):
+            return False
+        with torch.no_grad():
+            if self.view and post != 1.0:
+                self.data.div_(post)
+            for slot, p in enumerate(self.params):
+                if flags[slot] == 0:
+                    continue  # no gradient on any rank: grad stays None everywhere
+                v, g = self.views[slot], p.grad
+                if self.view:
+                    if g is not v:
+                        p.grad = v
+                elif g is None or (overlapping and g.data_ptr() in overlapping):
+                    p.grad = torch.div(v, post) if post != 1.0 else v.clone()
+                elif post != 1.0:
+                    torch.div(v, post, out=g)
+                else:
+                    g.copy_(v)
+        return True
+
+    def zero(self) -> None:
+        """Zero the buffer (view mode: the views are ``param.grad``) after a failed step."""
+        with torch.no_grad():
+            self.data.zero_()
+
+
+class InPlaceBucket(_BucketBase):
+    """One parameter whose gradient is reduced in ``param.grad`` itself, at the end of backward.
+
+    ``flat`` is empty (no buffer of its own); ``flags`` is this bucket's slot of the reducer's
+    presence tensor, set by the reducer.
+    """
+
+    in_place = True
+
+    def __init__(self, index: int, params: list[Entry], factors: tuple[float, float],
+                 last: bool) -> None:
+        super().__init__(index, params, factors, last)
+        self.flat = self.data = torch.zeros(0, dtype=self.dtype)
+
+    def stage(self, slot: int) -> None:
+        """Nothing to copy: the gradient stays where it is; :meth:`prepare` reads and divides it."""
+
+    def _wrap(self, buf: torch.Tensor) -> GradBucket:
+        self.buffer = buf
+        return GradBucket(self.index, buf.view(-1), self.numel, self.params, self.names,
+                          self.last, in_place=True)
+
+    def prepare(self, overlapping: frozenset[int]) -> GradBucket:
+        """Pre-divide the gradient in ``param.grad`` and wrap it as the bucket's buffer.
+
+        Runs at the end of backward only: autograd may hand a parameter a gradient that is a view
+        of a tensor other nodes still read (``p.unsqueeze(0)`` added to an activation), so writing
+        into it earlier would corrupt other gradients. A rank without the gradient sends zeros (a
+        new tensor, kept if another rank had one). A non-contiguous gradient, a lazy conjugate or
+        negative view (``w.conj()`` in the model: its values live in a bit, not in memory, and
+        hooks that reinterpret the buffer, e.g. ``torch.view_as_real``, refuse it), or one whose
+        memory overlaps another parameter's gradient (see :func:`overlapping_grads`), is sent
+        as a contiguous pre-divided copy and written back after the sum (``copy_`` honours the
+        bits).
+        """
+        p = self.params[0]
+        g = p.grad
+        with torch.no_grad():
+            pre = self.pre
+            if g is None:
+                buf = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            elif (g.is_contiguous() and not g.is_conj() and not g.is_neg()
+                  and g.data_ptr() not in overlapping):
+                buf = g
+                if pre != 1.0:
+                    buf.div_(pre)
+            else:
+                buf = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+                if pre != 1.0:
+                    torch.div(g, pre, out=buf)
+                else:
+                    buf.copy_(g)
+            self.flags.fill_(1.0 if g is not None else 0.0)
+        return self._wrap(buf)
+
+    def failed(self) -> GradBucket:
+        """What to send in a backward pass that failed here: zeros (``param.grad`` left alone)."""
+        p = self.params[0]
+        return self._wrap(torch.zeros(p.shape, dtype=p.dtype, device=p.device))
+
+    def write_back(self, overlapping: frozenset[int]) -> bool:
+        """Post-divide the sum and leave it in ``param.grad`` (the presence flag was summed and
+        checked by the reducer)."""
+        buf, self.buffer = self.buffer, None
+        assert buf is not None  # set by the send
+        if float(self.flags) == 0.0:
+            return True  # no gradient on any rank (so none here either): grad stays None
+        p, post = self.params[0], self.post
+        with torch.no_grad():
+            if post != 1.0:
+                buf.div_(post)
+            g = p.grad
+            if g is None or (g is not buf and g.data_ptr() in overlapping):
+                # no gradient here (the sum arrived in a zero tensor), or one whose memory other
+                # gradients share: a tensor of its own, in the parameter's layout as autograd
+                # would have made it (channels_last...)
+                p.grad = buf if p.is_contiguous() else torch.empty_like(p).copy_(buf)
+            elif g is not buf:  # sent as a copy (non-contiguous, lazy conj/neg)
+                g.copy_(buf)
+        return True
+
+    def zero(self) -> None:
+        """Nothing to zero: the gradient was the user's (left alone when the step failed)."""
+
+
+Bucket = SharedBucket | InPlaceBucket

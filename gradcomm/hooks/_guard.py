@@ -1,0 +1,230 @@
+"""The model guard: which parameters a reducer owns, and the checks that they stay the ones it owns.
+
+At construction, :func:`named_params` and :func:`trainable_params` pick the parameters (tied ones
+once, frozen ones skipped) and refuse what cannot be reduced. Before each forward and backward,
+:class:`ModelGuard` checks that the wrapped module still holds those parameters, in the layout
+their buckets were sized for, and that no trainable parameter was added or unfrozen: a gradient
+the reducer does not know would stay local and the ranks would drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from ..comm.communicator import Communicator
+from ._structure import StructureWatch
+
+__all__ = ["ModelGuard", "named_params", "trainable_params"]
+
+# What the forward check compares: (what, table, key, the object expected at table[key]).
+_Entry = tuple[str, dict[str, Any], str, object]
+
+
+def _first_changed(entries: list[_Entry]) -> str | None:
+    """The ``what`` of the first entry whose table no longer holds its object, else None."""
+    for what, table, local, obj in entries:
+        if table.get(local) is not obj:
+            return what
+    return None
+
+
+def named_params(
+    module_or_params: nn.Module | Iterable[Any],
+) -> tuple[nn.Module | None, list[tuple[str, torch.Tensor]]]:
+    """``(module or None, [(name, tensor)])`` of what the reducer was given, deduplicated.
+
+    Raises:
+        TypeError: a single tensor, a parameter group (dict), a non-str name or a non-tensor.
+    """
+    if isinstance(module_or_params, nn.Module):
+        return module_or_params, list(module_or_params.named_parameters())
+    if isinstance(module_or_params, torch.Tensor):
+        raise TypeError("pass an nn.Module or an iterable of parameters, not a single tensor")
+    if not isinstance(module_or_params, Iterable):
+        raise TypeError("GradientReducer takes an nn.Module or an iterable of parameters, got "
+                        f"{type(module_or_params).__name__}")
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for i, item in enumerate(module_or_params):
+        if isinstance(item, dict):
+            raise TypeError("parameter groups (dicts) are not supported; pass the parameters")
+        name, p = item if isinstance(item, tuple) else (f"params.{i}", item)
+        if not isinstance(name, str):
+            raise TypeError(f"parameter names must be str (as in named_parameters()), got "
+                            f"{type(name).__name__} {name!r} for item {i}")
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} is a {type(p).__name__}, not a torch.Tensor")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return None, out
+
+
+def _sparse_param_names(module: nn.Module | None) -> set[str]:
+    if module is None:
+        return set()
+    out = set()
+    for mname, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            out.add(f"{mname}.weight" if mname else "weight")
+    return out
+
+
+def trainable_params(
+    module: nn.Module | None, named: list[tuple[str, torch.Tensor]], comm: Communicator
+) -> list[tuple[int, str, nn.Parameter]]:
+    """``(index, name, parameter)`` of each parameter that requires a gradient, in order.
+
+    Raises:
+        TypeError: a parameter that is not a leaf, not strided, or produces sparse gradients.
+        ValueError: a parameter on a device type ``comm`` does not serve.
+    """
+    sparse_names = _sparse_param_names(module)
+    trainable: list[tuple[int, str, nn.Parameter]] = []
+    for name, p in named:
+        if not p.requires_grad:
+            continue
+        if not p.is_leaf:
+            raise TypeError(f"parameter {name} is not a leaf tensor; gradients of non-leaf "
+                            "tensors are not accumulated")
+        if p.layout is not torch.strided:
+            raise TypeError(f"parameter {name} is not a dense (strided) tensor")
+        if name in sparse_names:
+            raise TypeError(f"parameter {name} produces sparse gradients (sparse=True), which "
+                            "gradcomm does not reduce; construct the module with sparse=False")
+        if p.device.type != comm.device.type:
+            raise ValueError(f"parameter {name} is on {p.device}, but the {comm.backend} "
+                             f"communicator reduces tensors on {comm.device}")
+        trainable.append((len(trainable), name, p))  # type: ignore[arg-type]
+    return trainable
+
+
+def _raise_unreduced(name: str) -> NoReturn:
+    raise RuntimeError(
+        f"parameter {name} was added, replaced or unfrozen on the module after the "
+        "GradientReducer was built, so its gradient would not be reduced (ranks would "
+        "drift apart); change the model before wrapping it, or call reducer.remove() "
+        "and build a new GradientReducer"
+    )
+
+
+class ModelGuard:
+    """Checks that the reduced parameters are still the module's, as they were at construction.
+
+    ``watch`` (None without a module) notices registrations on any module, so the module is walked
+    only after one (see :mod:`._structure`).
+    """
+
+    def __init__(self, module: nn.Module | None, params: list[nn.Parameter], names: list[str],
+                 named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.module = module
+        self.params = params
+        self.names = names
+        self._owners: list[_Entry] = []
+        self._links: list[_Entry] = []
+        self._frozen: list[tuple[str, torch.Tensor]] = []  # may be unfrozen later
+        self._param_ids = frozenset(id(p) for p in params)
+        self._layouts = [(p.dtype, p.shape) for p in params]  # what the buckets hold
+        self.watch: StructureWatch | None = None
+        if module is not None:
+            self._watch_entries(named)
+            self.watch = StructureWatch()
+
+    def _ownership(self) -> tuple[list[_Entry], list[_Entry]]:
+        """What the forward check compares by identity: each reduced parameter in its module's
+        ``_parameters`` table, and each submodule on a path from the root to such a module in
+        its parent's ``_modules`` table -- every path, for a submodule registered in two places
+        -- so that a submodule replaced by one without parameters, moved or deleted is noticed
+        too (the replaced module's own table still holds its parameters)."""
+        assert self.module is not None  # only called with a module
+        owners: list[_Entry] = []
+        links: list[_Entry] = []
+        watched = {id(p) for p in self.params}
+        paths = list(self.module.named_modules(remove_duplicate=False))
+        by_path = dict(paths)
+        seen: set[int] = set()
+        on_path: set[str] = set()
+        for mname, m in paths:
+            params = [(local, p) for local, p in m._parameters.items()
+                      if p is not None and id(p) in watched]
+            if not params:
+                continue
+            if id(m) not in seen:
+                seen.add(id(m))
+                prefix = f"{mname}." if mname else ""
+                owners += [(f"parameter {prefix}{local}", m._parameters, local, p)
+                           for local, p in params]
+            parts = mname.split(".") if mname else []
+            on_path.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+        for path in sorted(on_path):
+            parent, _, local = path.rpartition(".")
+            links.append((f"submodule {path}", by_path[parent]._modules, local, by_path[path]))
+        # Buffers are not watched: they have no gradient, and broadcast_buffers reads them
+        # afresh each forward, so a buffer reassigned (``self.avg = 0.9 * self.avg + ...``)
+        # is simply picked up.
+        return owners, links
+
+    def _watch_entries(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Record what the forward check compares against: every reduced parameter in its
+        module's table, the submodules on the way to them, and the frozen parameters (``named``:
+        the module's)."""
+        self._owners, self._links = self._ownership()
+        self._frozen = [(n, t) for n, t in named if not t.requires_grad]
+
+    def check(self) -> None:
+        """Raise RuntimeError naming the first parameter or submodule changed since wrapping."""
+        for name, p, (dtype, shape) in zip(self.names, self.params, self._layouts, strict=True):
+            if not p.requires_grad:  # frozen after wrapping, maybe on some ranks only
+                raise RuntimeError(
+                    f"parameter {name} was frozen (requires_grad=False) after the GradientReducer "
+                    "was built; a rank that froze it would still receive the other ranks' "
+                    "averaged gradient for it; freeze parameters before wrapping, or call "
+                    "reducer.remove() and build a new GradientReducer"
+                )
+            if p.dtype != dtype or p.shape != shape:  # model.double(), p.data = other shape
+                raise RuntimeError(
+                    f"parameter {name} is now {p.dtype} {tuple(p.shape)}, but it was {dtype} "
+                    f"{tuple(shape)} when the GradientReducer was built, and its bucket was sized "
+                    "for that; convert the model before wrapping it, or call reducer.remove() and "
+                    "build a new GradientReducer"
+                )
+        what = _first_changed(self._owners)
+        if what is not None:
+            raise RuntimeError(
+                f"{what} was replaced on the module after the GradientReducer was built, so "
+                "its gradient would not be reduced (ranks would drift apart); change the model "
+                "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+            )
+        if self.module is None or self.watch is None:
+            return
+        # A parameter unfrozen, or a submodule or parameter added or replaced, after wrapping: its
+        # gradient would stay local. Unfreezing keeps the registered object, so it is checked
+        # here; anything registered shows in the watch, and only then is the module walked.
+        for name, frozen in self._frozen:
+            if frozen.requires_grad:
+                _raise_unreduced(name)
+        changed = self.watch.changed
+        named: list[tuple[str, torch.Tensor]] = []
+        if changed:
+            known = self._param_ids
+            named = list(self.module.named_parameters())
+            for name, t in named:
+                if t.requires_grad and id(t) not in known:
+                    _raise_unreduced(name)
+        # A submodule on the way to reduced parameters replaced without new trainable ones (by
+        # nn.Identity(), a frozen copy) or deleted (``del``, which no registration hook sees).
+        what = _first_changed(self._links)
+        if what is not None:
+            raise RuntimeError(
+                f"{what} was replaced, moved or deleted on the module after the "
+                "GradientReducer was built, so this rank may no longer train the parameters "
+                "the reducer averages (ranks would train different models); change the model "
+                "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+            )
+        if changed:
+            self._watch_entries(named)  # only frozen parameters came: watch them too
+            self.watch.changed = False
