@@ -29,6 +29,15 @@ def _digest(text: str) -> int:
                           signed=True)
 
 
+def _gather(comm: Communicator, mine: torch.Tensor) -> torch.Tensor:
+    """All-gather the 1-D CPU tensor ``mine``; the result is a CPU tensor ``world_size`` times as
+    long. The collective runs on ``comm.device`` (a CUDA communicator refuses host tensors), so
+    the data is copied there and back: a few bytes, once per construction."""
+    out = torch.empty(comm.world_size * mine.numel(), dtype=mine.dtype, device=comm.device)
+    comm.all_gather(out, mine.to(comm.device))
+    return out.cpu()
+
+
 def check_fingerprint(
     comm: Communicator,
     entries: Sequence[str],
@@ -54,9 +63,7 @@ def check_fingerprint(
     ws = comm.world_size
     hashes = [_digest(e) for e in entries]
     mine = torch.tensor([len(entries), _digest("\n".join(entries))], dtype=torch.int64)
-    every = torch.empty(2 * ws, dtype=torch.int64)
-    comm.all_gather(every, mine)
-    rows = every.view(ws, 2)
+    rows = _gather(comm, mine).view(ws, 2)
     if bool((rows == rows[0]).all()):
         return
     # Mismatch: everyone saw it, so everyone takes this branch. Find the first differing entry.
@@ -64,9 +71,7 @@ def check_fingerprint(
     padded = torch.zeros(max(longest, 1), dtype=torch.int64)
     padded[: len(hashes)] = torch.tensor(hashes, dtype=torch.int64)
     counts = rows[:, 0].tolist()
-    table = torch.empty(ws * padded.numel(), dtype=torch.int64)
-    comm.all_gather(table, padded)
-    table = table.view(ws, -1)
+    table = _gather(comm, padded).view(ws, -1)
     first = longest
     for j in range(longest):
         present = [j < counts[r] for r in range(ws)]
@@ -77,8 +82,7 @@ def check_fingerprint(
     raw = text.encode()[: _DESC_BYTES]
     desc = torch.zeros(_DESC_BYTES, dtype=torch.uint8)
     desc[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    descs = torch.empty(ws * _DESC_BYTES, dtype=torch.uint8)
-    comm.all_gather(descs, desc)
+    descs = _gather(comm, desc)
     texts = [bytes(descs[r * _DESC_BYTES:(r + 1) * _DESC_BYTES].tolist()).rstrip(b"\0")
              .decode(errors="replace") for r in range(ws)]
     differing = [r for r in range(ws) if texts[r] != texts[0] or counts[r] != counts[0]]
