@@ -40,6 +40,7 @@ import hashlib
 import logging
 import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -156,8 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     comm = gradcomm.init(args.backend, timeout=args.timeout, device=args.device)
     rank, ws, device = comm.rank, comm.world_size, comm.device
-    log.info("%s launcher, backend %s, rank %d of %d, local rank %d, device %s",
-             launch.launcher.value, comm.backend, rank, ws, comm.local_rank, device)
+    log.info("%s launcher, backend %s, rank %d of %d, local rank %d, device %s, host %s",
+             launch.launcher.value, comm.backend, rank, ws, comm.local_rank, device,
+             socket.gethostname())
 
     x_tr, y_tr, x_te, y_te = (t.to(device) for t in load_data(args.seed))
     torch.manual_seed(args.seed)  # initialised on the CPU: the same values on every device

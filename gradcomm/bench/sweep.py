@@ -18,18 +18,22 @@ nccl-tests synchronises its stream before reading the clock.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
-import socket
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from ..comm.communicator import Communicator
 from ..comm.launcher import detect_launch
+from ..comm.netaddr import publish_candidates
+from ..comm.reachability import first_answering
 from ..comm.types import ReduceOp
 from .metrics import algbw, busbw, dtype_name, op_name
 from .results import SweepRow
@@ -75,8 +79,11 @@ class TorchDistRaw(RawTransport):
 
     The group is torch's default process group when none exists yet (the CLI's case), else a new
     group of every rank. Its rendezvous goes through ``comm``: rank 0 opens a TCPStore on a port
-    the OS picks and broadcasts its address, so it never collides with the store gradcomm's own
-    communicator opened at ``MASTER_ADDR:MASTER_PORT``, under torchrun and mpiexec alike.
+    the OS picks and broadcasts its candidate addresses -- ``MASTER_ADDR`` when set, else those of
+    :func:`gradcomm.comm.netaddr.publish_candidates` (127.0.0.1 on one host, never loopback
+    across hosts) -- and each rank connects to the first that answers, so it never collides with
+    the store gradcomm's own communicator opened at ``MASTER_ADDR:MASTER_PORT``, under torchrun
+    and mpiexec alike. Across hosts gloo binds the interface gradcomm's communicator chose.
 
     Args:
         backend: torch.distributed backend name (``"gloo"``, ``"nccl"``).
@@ -98,10 +105,6 @@ class TorchDistRaw(RawTransport):
     _DTYPES: ClassVar[frozenset[torch.dtype]] = _NATIVE_DTYPES | {torch.float16, torch.bfloat16}
 
     def __init__(self, backend: str, comm: Communicator, timeout: float = 300.0) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
         self._dist = dist
         self.name = f"torch.distributed ({backend})"
         self._owns_default = not dist.is_initialized()
@@ -109,28 +112,21 @@ class TorchDistRaw(RawTransport):
             self._group: dist.ProcessGroup | None = dist.new_group(backend=backend)
             return
         td = datetime.timedelta(seconds=timeout)
-        store: dist.Store
-        if comm.world_size == 1:
-            store = dist.HashStore()
-        else:
-            address = torch.zeros(256, dtype=torch.uint8)  # on the CPU, sent on comm.device
-            server = None
-            if comm.rank == 0:
-                host = "127.0.0.1" if _single_host() else socket.gethostbyname(socket.getfqdn())
-                server = dist.TCPStore(host, 0, comm.world_size, True, timeout=td,
-                                       wait_for_workers=False)
-                text = f"{host}:{server.port}".encode()
-                address[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-            sent = address.to(comm.device)
-            comm.broadcast(sent, src=0)
-            address = sent.cpu()
-            host, port = bytes(address[address > 0].tolist()).decode().rsplit(":", 1)
-            store = server if server is not None else dist.TCPStore(
-                host, int(port), comm.world_size, False, timeout=td
+        store: dist.Store = dist.HashStore() if comm.world_size == 1 else _raw_store(comm, td)
+        # gloo's default group binds the hostname's address (127.0.1.1 on Debian); bind it to
+        # the interface gradcomm chose, through the variable init_process_group reads.
+        interface = getattr(comm, "bind_interface", None)
+        pinned = backend == "gloo" and interface is not None and not os.environ.get(
+            "GLOO_SOCKET_IFNAME", "").strip()
+        if pinned:
+            os.environ["GLOO_SOCKET_IFNAME"] = str(interface)
+        try:
+            dist.init_process_group(
+                backend, store=store, rank=comm.rank, world_size=comm.world_size, timeout=td
             )
-        dist.init_process_group(
-            backend, store=store, rank=comm.rank, world_size=comm.world_size, timeout=td
-        )
+        finally:
+            if pinned:
+                del os.environ["GLOO_SOCKET_IFNAME"]
         self._group = None
 
     def supports(self, dtype: torch.dtype, op: ReduceOp) -> bool:
@@ -190,9 +186,41 @@ class MPIRaw(RawTransport):
         self._comm.Free()
 
 
-def _single_host() -> bool:
+def _raw_store(comm: Communicator, timeout: datetime.timedelta) -> dist.Store:
+    """A TCPStore of ``comm``'s ranks at a port the OS gave rank 0, found by the address rules
+    of gradcomm's own rendezvous (candidates broadcast through ``comm``, first that answers).
+
+    Raises:
+        RuntimeError: on every rank, when some rank reaches none of the candidates.
+    """
     launch = detect_launch()
-    return launch.local_world_size == launch.world_size
+    payload = torch.zeros(1024, dtype=torch.uint8)  # on the CPU, sent on comm.device
+    server = None
+    if comm.rank == 0:
+        if launch.master_addr is not None:
+            candidates = [launch.master_addr]
+        else:
+            candidates, _ = publish_candidates(launch.local_world_size == launch.world_size,
+                                               os.environ)
+        server = dist.TCPStore(candidates[0] if candidates else "127.0.0.1", 0, comm.world_size,
+                               True, timeout=timeout, wait_for_workers=False)
+        text = f"{','.join(candidates)} {server.port}".encode()[: payload.numel()]
+        payload[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    sent = payload.to(comm.device)
+    comm.broadcast(sent, src=0)
+    listed, port = bytes(sent.cpu()[sent.cpu() > 0].tolist()).decode().rsplit(" ", 1)
+    candidates = [c for c in listed.split(",") if c]
+    deadline = time.monotonic() + timeout.total_seconds()
+    chosen, why = (candidates[0], "") if comm.rank == 0 else first_answering(
+        candidates, int(port), deadline)
+    failed = torch.tensor([0 if chosen else 1], dtype=torch.int32, device=comm.device)
+    comm.all_reduce(failed)  # every rank learns of a failure, and raises with the others
+    if int(failed.item()) or chosen is None:
+        raise RuntimeError(f"raw transport: {int(failed.item())} rank(s) reached no address of "
+                           f"rank 0's store ({why or 'see those ranks'}); set MASTER_ADDR")
+    if server is not None:
+        return server
+    return dist.TCPStore(chosen, int(port), comm.world_size, False, timeout=timeout)
 
 
 def raw_transport_unavailable(comm: Communicator) -> str | None:

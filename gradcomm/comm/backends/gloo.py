@@ -17,6 +17,7 @@ other dtypes, CUDA tensors    unsupported     TypeError / ValueError
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -38,11 +39,16 @@ class GlooCommunicator(TorchDistCommunicator):
         launch: rank, world size and local rank (see :func:`gradcomm.comm.detect_launch`).
         timeout: seconds per collective (and for the rendezvous); ``None``: a day.
 
+    Network (ranks on several hosts): gloo binds the address this rank reached the store from
+    (:attr:`bind_address`), unless ``GLOO_SOCKET_IFNAME`` is set, which then wins.
+
     Raises:
-        RuntimeError: torch was built without gloo, or the rendezvous failed.
+        RuntimeError: torch was built without gloo, or the rendezvous failed (on every rank
+            when no address reaches every rank).
     """
 
     backend = "gloo"
+    interface_variable = "GLOO_SOCKET_IFNAME"
 
     def __init__(self, launch: LaunchInfo, *, timeout: float | None = 300.0) -> None:
         if not dist.is_available() or not dist.is_gloo_available():
@@ -55,10 +61,20 @@ class GlooCommunicator(TorchDistCommunicator):
     def _make_group(
         self, store: dist.Store, launch: LaunchInfo, timeout: float | None
     ) -> dist.ProcessGroup:
-        seconds = 86400 if timeout is None else timeout
-        group = dist.ProcessGroupGloo(
-            store, launch.rank, launch.world_size, datetime.timedelta(seconds=seconds)
-        )
+        td = datetime.timedelta(seconds=86400 if timeout is None else timeout)
+        if self.bind_address is None or os.environ.get("GLOO_SOCKET_IFNAME", "").strip():
+            # One host (gloo's default works there), or the user's interface, which this
+            # constructor reads from GLOO_SOCKET_IFNAME itself.
+            group = dist.ProcessGroupGloo(store, launch.rank, launch.world_size, td)
+        else:
+            # Bound to the address this rank reached the others from: gloo's default device
+            # binds the hostname's address, 127.0.1.1 on Debian. create_device is public, but
+            # torch has no public way to hand a device to the group (init_process_group and
+            # new_group take none for gloo): _Options and its fields are private, and the only way.
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in stubs
+            opts._timeout = td
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_address)]
+            group = dist.ProcessGroupGloo(store, launch.rank, launch.world_size, opts)
         return group  # type: ignore[return-value]  # stubs say Backend; the methods are the same
 
     @property

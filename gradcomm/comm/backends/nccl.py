@@ -153,6 +153,8 @@ class NCCLCommunicator(TorchDistCommunicator):
 
     backend = "nccl"
     native_reduce_ops = NCCL_REDUCE_OPS
+    interface_variable = "NCCL_SOCKET_IFNAME"  # unset: gradcomm sets it to the chosen interface
+    exports_interface = True
 
     def __init__(
         self,

@@ -11,14 +11,16 @@ import abc
 import atexit
 import datetime
 import functools
+import os
 import weakref
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from ..communicator import Communicator, flat_bytes
 from ..launcher import LaunchInfo
-from ..rendezvous import create_store
+from ..rendezvous import rendezvous
 from ..types import ReduceOp
 from ..work import DescriptionLike, Work
 
@@ -103,7 +105,18 @@ class TorchDistCommunicator(Communicator):
     """A communicator over one torch.distributed process group (subclassed per backend).
 
     Subclasses implement :meth:`_make_group` and :meth:`supports`.
+
+    Attributes:
+        bind_address: the IPv4 address the transport binds when the ranks span hosts (see
+            :func:`gradcomm.comm.rendezvous.rendezvous`); None on one host or world_size 1.
+        bind_interface: the name of the interface carrying it (None if unknown).
     """
+
+    #: The variable naming the transport's network interface; set by the user, it wins.
+    interface_variable: ClassVar[str | None] = None
+    #: Whether the transport reads its interface only from ``interface_variable``, so gradcomm
+    #: sets it (when unset) to the interface it chose: NCCL's bootstrap has no other input.
+    exports_interface: ClassVar[bool] = False
 
     def __init__(self, launch: LaunchInfo, *, device: torch.device, timeout: float | None) -> None:
         super().__init__(
@@ -115,9 +128,17 @@ class TorchDistCommunicator(Communicator):
         )
         self.launch = launch
         self._group: dist.ProcessGroup | None = None
+        self.bind_address: str | None = None
+        self.bind_interface: str | None = None
         if launch.world_size > 1:
-            store = create_store(launch, timeout, self.backend)
-            self._group = self._make_group(store, launch, timeout)
+            found = rendezvous(launch, timeout, self.backend,
+                               interface_variable=self.interface_variable)
+            self.bind_address, self.bind_interface = found.bind_address, found.interface
+            variable = self.interface_variable
+            if (self.exports_interface and variable is not None and found.interface is not None
+                    and not os.environ.get(variable, "").strip()):
+                os.environ[variable] = f"={found.interface}"  # "=": that exact name
+            self._group = self._make_group(found.store, launch, timeout)
         # A gloo group still alive at interpreter teardown can abort the process ("terminate
         # called without an active exception", exit code 6; seen in 1 of 2 runs under mpiexec),
         # so a communicator the user never closed is closed by an atexit handler. Registered

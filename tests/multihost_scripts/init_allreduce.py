@@ -1,0 +1,32 @@
+"""``gradcomm.init`` then one all-reduce; prints ``RESULT rank=<r> sum=<s>``, or the error
+``INIT FAILED rank=<r> after=<seconds> <type>: <message>`` and exits 3 (every rank for itself:
+run with GRADCOMM_MPI_ABORT_ON_ERROR=0 so that no rank's abort ends the others first)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import gradcomm
+
+
+def main() -> int:
+    rank = gradcomm.detect_launch().rank
+    start = time.monotonic()
+    try:
+        comm = gradcomm.init(sys.argv[1], timeout=float(sys.argv[2]))
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        print(f"INIT FAILED rank={rank} after={time.monotonic() - start:.1f} "
+              f"{type(exc).__name__}: {exc}", flush=True)
+        return 3
+    t = torch.ones(4) * (comm.rank + 1)
+    comm.all_reduce(t)
+    print(f"RESULT rank={comm.rank} sum={t[0].item():g}", flush=True)
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Jobs across two simulated hosts: torchrun (2 nodes x 2 ranks) and MPICH's mpiexec (hydra,
+starting the second host's ranks through an ssh stand-in), for every /etc/hosts variant.
+
+Nothing is set for the network: no MASTER_ADDR (mpiexec), no GLOO_SOCKET_IFNAME, no
+NCCL_SOCKET_IFNAME. torchrun is given the first host's address, as its users must. Each host is
+a network namespace (see ``netns_hosts``); the tests skip, saying why, where those cannot be
+made (not root, no ``ip``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from dist_utils import REPO_ROOT
+from netns_hosts import HOSTS_VARIANTS, SimulatedHosts, namespace_problem
+
+SCRIPTS = Path(__file__).resolve().parent / "multihost_scripts"
+EXAMPLE = REPO_ROOT / "examples" / "train_digits.py"
+BIN = Path(sys.executable).parent
+RUN_TIMEOUT = 200.0  # seconds per launch; one takes about 30-60 s on 2 busy cores
+_CLEARED = ("MASTER_", "GLOO_", "NCCL_", "GRADCOMM_", "RANK", "WORLD_SIZE", "LOCAL_", "PMI_",
+            "OMPI_", "TORCHELASTIC_", "HYDRA_")
+
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(RUN_TIMEOUT + 60)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's or transport's settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_CLEARED)}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), **extra)
+    return env
+
+
+def _make_hosts(variant: str, workdir: Path) -> SimulatedHosts:
+    problem = namespace_problem()
+    if problem is not None:
+        pytest.skip(f"cannot simulate hosts: {problem}")
+    return SimulatedHosts.create(variant, workdir)
+
+
+@pytest.fixture(params=HOSTS_VARIANTS)
+def hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SimulatedHosts]:
+    made = _make_hosts(request.param, tmp_path)
+    try:
+        yield made
+    finally:
+        made.destroy()
+
+
+@pytest.fixture
+def plain_hosts(tmp_path: Path) -> Iterator[SimulatedHosts]:
+    """Both hosts' names on their addresses (the variant that needs no help)."""
+    made = _make_hosts("own-address", tmp_path)
+    try:
+        yield made
+    finally:
+        made.destroy()
+
+
+def _run_all(cmds: Sequence[list[str]], env: dict[str, str]) -> list[tuple[int, str]]:
+    """Run the commands at once; ``(exit status, output)`` each. After RUN_TIMEOUT s every
+    process group is killed and the test fails with what they printed."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, cwd=REPO_ROOT, start_new_session=True) for c in cmds]
+    deadline = time.monotonic() + RUN_TIMEOUT
+    results = []
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    if q.poll() is None:
+                        os.killpg(q.pid, signal.SIGKILL)
+                outs = [q.communicate()[0] for q in procs]
+                pytest.fail(f"not finished within {RUN_TIMEOUT} s:\n" + "\n----\n".join(outs))
+            results.append((p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    return results
+
+
+def _mpiexec(hosts: SimulatedHosts, cmd: list[str]) -> list[str]:
+    """``mpiexec -n 4`` from the first host, 2 ranks per host, the second started via ssh."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install mpi4py mpich)")
+    exe = BIN / "mpiexec"
+    if not exe.exists() or "HYDRA" not in subprocess.run(
+            [str(exe), "--version"], capture_output=True, text=True, timeout=20).stdout:
+        pytest.skip("needs MPICH's hydra mpiexec beside this Python (pip install mpich)")
+    return hosts.command(0, [
+        str(exe), "-launcher", "ssh", "-launcher-exec", str(hosts.wrapper),
+        "-hosts", f"{hosts.names[0]}:2,{hosts.names[1]}:2", "-n", "4", sys.executable, *cmd,
+    ])
+
+
+def _check_training(out: str, backend: str, launcher: str, hosts: SimulatedHosts) -> None:
+    assert f"backend {backend}, 4 rank(s)" in out, out
+    assert "parameters identical on all 4 ranks" in out, out
+    final = re.findall(rf"final held-out accuracy: ([0-9.]+)\s+parameters identical on all 4 "
+                       rf"ranks \(sha256 [0-9a-f]+\.\.\.\)\s+backend {backend},", out)
+    assert len(final) == 1 and float(final[0]) > 0.8, out  # one epoch reaches about 0.9
+    # Ranks 0-1 on the first host, 2-3 on the second, local ranks 0-1 on each.
+    for rank in range(4):
+        line = (rf"\[rank {rank}\] train_digits INFO: {launcher} launcher, backend {backend}, "
+                rf"rank {rank} of 4, local rank {rank % 2}, device cpu, "
+                rf"host {hosts.names[rank // 2]}\n")
+        assert len(re.findall(line, out)) == 1, (line, out)
+
+
+def test_torchrun_two_hosts_gloo(hosts: SimulatedHosts) -> None:
+    torchrun = str(BIN / "torchrun")
+    cmds = [hosts.command(i, [
+        torchrun, "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
+        "--master-addr", hosts.addresses[0], "--master-port", "29400",
+        str(EXAMPLE), "--backend", "gloo", "--epochs", "1", "--timeout", "60",
+    ]) for i in range(2)]
+    (code0, out0), (code1, out1) = _run_all(cmds, _env())
+    assert (code0, code1) == (0, 0), out0 + "\n----\n" + out1
+    _check_training(out0 + out1, "gloo", "torchrun", hosts)
+
+
+@pytest.mark.mpi
+def test_mpiexec_two_hosts_gloo_and_mpi(hosts: SimulatedHosts) -> None:
+    cmd = _mpiexec(hosts, [str(SCRIPTS / "digits_backends.py"), "gloo,mpi", "--",
+                           "--epochs", "1", "--timeout", "60"])
+    [(code, out)] = _run_all([cmd], _env())
+    assert code == 0, out
+    for backend in ("gloo", "mpi"):
+        _check_training(out, backend, "mpich", hosts)
+
+
+@pytest.mark.mpi
+def test_unreachable_interface_raises_on_every_rank(plain_hosts: SimulatedHosts) -> None:
+    # GLOO_SOCKET_IFNAME=lo would bind gloo to loopback, which no other host reaches. Every rank
+    # must raise, naming the interface and the variable, within the timeout (not wait for gloo).
+    timeout = 20.0
+    cmd = _mpiexec(plain_hosts, [str(SCRIPTS / "init_allreduce.py"), "gloo", str(timeout)])
+    start = time.monotonic()
+    [(code, out)] = _run_all([cmd], _env(GLOO_SOCKET_IFNAME="lo",
+                                          GRADCOMM_MPI_ABORT_ON_ERROR="0"))
+    assert code != 0, out
+    # Rank 0 finds no address to publish on lo, and says so on every rank.
+    failed = re.findall(r"INIT FAILED rank=(\d) after=([0-9.]+) RuntimeError: rank 0 has no "
+                        r"non-loopback IPv4 address on GLOO_SOCKET_IFNAME=lo for the other hosts; "
+                        r"set GLOO_SOCKET_IFNAME", out)
+    assert sorted(int(r) for r, _ in failed) == [0, 1, 2, 3], out
+    assert all(float(after) <= timeout + 5 for _, after in failed), out
+    assert "RESULT" not in out, out
+    assert time.monotonic() - start < RUN_TIMEOUT
+
+
+def test_torchrun_unreachable_interface_raises_on_both_nodes(plain_hosts: SimulatedHosts) -> None:
+    timeout = 20.0
+    torchrun = str(BIN / "torchrun")
+    cmds = [plain_hosts.command(i, [
+        torchrun, "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
+        "--master-addr", plain_hosts.addresses[0], "--master-port", "29400",
+        str(SCRIPTS / "init_allreduce.py"), "gloo", str(timeout),
+    ]) for i in range(2)]
+    results = _run_all(cmds, _env(GLOO_SOCKET_IFNAME="lo"))
+    out = "\n----\n".join(o for _, o in results)
+    assert all(code != 0 for code, _ in results), out
+    failed = re.findall(r"INIT FAILED rank=(\d) after=([0-9.]+) RuntimeError: network check "
+                        r"failed: .*; set GLOO_SOCKET_IFNAME", out)
+    assert sorted(int(r) for r, _ in failed) == [0, 1, 2, 3], out
+    assert all(float(after) <= timeout + 5 for _, after in failed), out
