@@ -581,3 +581,17 @@ def test_run_metadata_outside_a_checkout_records_no_commit(monkeypatch: pytest.M
     meta = results.run_metadata()
     assert meta["commit"] is None and meta["dirty"] is None
 
+
+
+def test_docs_results_page_is_generated_from_the_baselines() -> None:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"), "--docs",
+                           str(REPO_ROOT / "docs" / "results.md"), "--check"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    names = {p.name for p in (REPO_ROOT / "benchmarks" / "results").iterdir()}
+    assert names == {"step_time.json", "step_breakdown.json", "call_overhead.json",
+                     "allreduce.json", "allreduce_busbw.png"}
+    for name in names - {"allreduce_busbw.png"}:
+        meta = json.loads((REPO_ROOT / "benchmarks" / "results" / name).read_text())["meta"]
+        for key in ("commit", "dirty", "machine", "torch", "mpi", "date_utc", "command"):
+            assert key in meta, (name, key)
