@@ -46,6 +46,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import gradcomm
+    from gradcomm.bench.results import run_metadata
 
     world = MPI.COMM_WORLD
     if world.Get_size() < 2:  # one process, or torchrun (whose ranks are MPI singletons)
@@ -69,7 +70,8 @@ def main() -> None:
         raw = world.Dup()
         buf = t.numpy()
         kinds["raw"] = lambda: raw.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait()
-    start = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    meta = run_metadata(["mpiexec", "-n", str(world.Get_size()), "python",
+                         "benchmarks/call_overhead.py", *sys.argv[1:]])
     names = list(kinds)
     times: dict[str, list[float]] = {k: [] for k in names}
     clock = time.perf_counter
@@ -94,12 +96,10 @@ def main() -> None:
         overhead = kinds_us["comm"]["median_us"] - kinds_us["raw"]["median_us"]
         print(f"  comm - raw: {overhead:+.1f} us")
         if args.json is not None:
-            meta = {"tool": "benchmarks/call_overhead.py",
-                    "command": " ".join(["mpiexec", "-n", str(world.Get_size()), "python",
-                                         "benchmarks/call_overhead.py", *sys.argv[1:]]),
-                    "date_utc": start, "world_size": world.Get_size(), "backend": args.backend,
-                    "bytes": args.bytes, "calls": args.calls, "torch": torch.__version__,
-                    "cpu_count": os.cpu_count(), "time": "median over calls of the max over ranks"}
+            meta.update({"tool": "benchmarks/call_overhead.py", "world_size": world.Get_size(),
+                         "backend": args.backend, "bytes": args.bytes, "calls": args.calls,
+                         "time": "median over calls of the max over ranks",
+                         "loadavg_end": list(os.getloadavg())})
             doc = {"meta": meta, "kinds": kinds_us, "overhead_us": overhead,
                    "overhead_ratio": kinds_us["comm"]["median_us"] / kinds_us["raw"]["median_us"]}
             args.json.write_text(json.dumps(doc, indent=1) + "\n")

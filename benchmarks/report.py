@@ -1,6 +1,11 @@
 """Markdown tables from the JSON results of ``benchmarks/*.py`` and ``gradcomm.bench``.
 
-    python benchmarks/report.py benchmarks/results/*.json
+    python benchmarks/report.py benchmarks/results/*.json     # print any result files
+    python benchmarks/report.py --docs docs/results.md        # write the docs' results page
+    python benchmarks/report.py --docs docs/results.md --check  # exit 1 if that page is stale
+
+The docs page is generated from the baselines in ``benchmarks/results`` (:data:`BASELINES`), each
+with the provenance its benchmark recorded (``gradcomm.bench.results.run_metadata``).
 """
 
 from __future__ import annotations
@@ -12,19 +17,52 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+RESULTS = Path(__file__).resolve().parent / "results"
+#: The baseline of each benchmark, in the order the docs page shows them, with its heading.
+BASELINES = (
+    ("step_time.json", "Training step time"),
+    ("step_breakdown.json", "Where a step's time goes"),
+    ("call_overhead.json", "Per-call overhead, call by call"),
+    ("allreduce.json", "All-reduce sweep"),
+)
+PLOT = "allreduce_busbw.png"
+
 
 def _f(value: float | None, digits: int) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
+def provenance(meta: dict[str, Any]) -> list[str]:
+    """Where and how a result was measured, as a markdown list (from ``run_metadata``)."""
+    machine = meta.get("machine", {})
+    mpi = meta.get("mpi") or {}
+    commit = meta.get("commit")
+    state = {True: ", uncommitted changes", False: "", None: ", tree state unknown"}
+    load = meta.get("loadavg_start"), meta.get("loadavg_end")
+    out = [
+        f"- command: `{meta.get('command')}`",
+        f"- code: commit {commit[:12] if commit else 'unknown'}"
+        f"{state[meta.get('dirty')]}; measured {meta.get('date_utc')}",
+        f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores "
+        f"({machine.get('usable_cores')} usable), {meta.get('world_size')} ranks, "
+        f"OMP_NUM_THREADS={meta.get('omp_num_threads')}",
+        f"- software: Python {meta.get('python')}, torch {meta.get('torch')}, "
+        f"mpi4py {mpi.get('mpi4py')}, {mpi.get('library') or 'MPI not loaded'}",
+    ]
+    if load[0] is not None:
+        end = f", {load[1][0]:.1f} at the end" if load[1] else ""
+        out.append(f"- 1-minute load average: {load[0][0]:.1f} at the start{end}")
+    if meta.get("note"):
+        out.append(f"- note: {meta['note']}")
+    return [*out, ""]
+
+
 def step_time_tables(doc: dict[str, Any]) -> list[str]:
     meta = doc["meta"]
-    load = meta.get("loadavg_start", [None])[0], meta.get("loadavg_end", [None])[0]
     lines = [
-        f"`{meta['command']}` ({meta['world_size']} ranks, {meta['cpu_count']} CPUs, "
-        f"{meta['date_utc']}, 1-min load average {_f(load[0], 1)} at start, "
-        f"{_f(load[1], 1)} at end; {meta['steps']} interleaved timed steps per variant; "
-        f"malloc: {meta.get('malloc', 'glibc')})",
+        *provenance(meta),
+        f"{meta['steps']} interleaved timed steps per variant; malloc: "
+        f"{meta.get('malloc', 'glibc')}; a step's time is the max over ranks.",
         "",
         "| model | variant | median ms | IQR ms | x DDP | x old (same backend) "
         "| page faults/step |",
@@ -59,11 +97,7 @@ def step_time_tables(doc: dict[str, Any]) -> list[str]:
 
 def sweep_tables(doc: dict[str, Any]) -> list[str]:
     meta = doc["meta"]
-    lines = [
-        f"`{meta['command']}` ({meta['world_size']} ranks, {meta['cpu_count']} CPUs, "
-        f"{meta['date_utc']}, {meta['dtype']} {meta['op']}, time = {meta['time']})",
-        "",
-    ]
+    lines = [*provenance(meta), f"{meta['dtype']} {meta['op']}; time = {meta['time']}.", ""]
     for backend in dict.fromkeys(r["backend"] for r in doc["rows"]):
         rows = [r for r in doc["rows"] if r["backend"] == backend]
         lines += [
@@ -105,9 +139,9 @@ def call_overhead_table(doc: dict[str, Any]) -> list[str]:
     """Markdown for a benchmarks/call_overhead.py result (one row per kind of call)."""
     meta = doc["meta"]
     out = [
-        f"`{meta['command']}` ({meta['world_size']} ranks, {meta['cpu_count']} CPUs, "
-        f"{meta['date_utc']}, {meta['bytes']} B, {meta['calls']} calls of each kind, "
-        f"time = {meta['time']})",
+        *provenance(meta),
+        f"{meta['backend']}, {meta['bytes']} B, {meta['calls']} calls of each kind; "
+        f"time = {meta['time']}.",
         "",
         "| call | median us | 25th percentile us |",
         "|---|---:|---:|",
@@ -125,8 +159,9 @@ def step_breakdown_table(doc: dict[str, Any]) -> list[str]:
     job = doc["median_ms"]
     local_bwd = job["local"]["backward"]
     out = [
-        f"`{meta['command']}` ({meta['world_size']} ranks, {meta['date_utc']}, model "
-        f"{meta['model']}, {meta['steps']} steps; ms, median over steps, max over ranks)",
+        *provenance(meta),
+        f"Model {meta['model']} on {meta['backend']}, {meta['steps']} steps; ms, median over "
+        "steps, max over ranks.",
         "",
         "| variant | forward | backward | of which gradcomm's hooks | backward beyond local's "
         "| optimizer | step |",
@@ -140,24 +175,73 @@ def step_breakdown_table(doc: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def tables(doc: dict[str, Any]) -> list[str] | None:
+    """The markdown of any benchmark result, or None for a file that is not one."""
+    if "results" in doc:
+        return step_time_tables(doc)
+    if "kinds" in doc:
+        return call_overhead_table(doc)
+    if "median_ms" in doc:
+        return step_breakdown_table(doc)
+    if "rows" in doc:
+        return sweep_tables(doc)
+    return None
+
+
+def docs_page(results: Path = RESULTS) -> str:
+    """The docs' results page: every baseline's provenance and tables, and the sweep's plot."""
+    lines = [
+        "# Measured results",
+        "",
+        "<!-- Generated by `python benchmarks/report.py --docs docs/results.md` from the files in",
+        "benchmarks/results; edit those (rerun the benchmark), not this page. -->",
+        "",
+        "Each table comes from one baseline file in `benchmarks/results/`, written by the",
+        "command shown; the list above each table is the provenance the benchmark recorded.",
+        "How to run them and what the columns mean: [Benchmarks](bench.md).",
+        "",
+    ]
+    for name, heading in BASELINES:
+        doc = json.loads((results / name).read_text())
+        body = tables(doc)
+        if body is None:
+            raise ValueError(f"{results / name}: not a benchmark result")
+        lines += [f"## {heading}", "", f"File: `benchmarks/results/{name}`.", "", *body, ""]
+        if name == "allreduce.json" and (results / PLOT).exists():
+            lines += [f"![busbw against message size](assets/{PLOT})", ""]
+    while lines[-1] == "":
+        lines.pop()
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("files", nargs="*", type=Path)
+    p.add_argument("--docs", type=Path, default=None,
+                   help="write the docs' results page from the baselines in benchmarks/results")
+    p.add_argument("--check", action="store_true",
+                   help="with --docs: write nothing, exit 1 if the page is not up to date")
     args = p.parse_args(argv)
+    if args.docs is not None:
+        page = docs_page()
+        if args.check:
+            if not args.docs.exists() or args.docs.read_text() != page:
+                print(f"{args.docs} is out of date: run python benchmarks/report.py --docs "
+                      f"{args.docs}", file=sys.stderr)
+                return 1
+            return 0
+        args.docs.write_text(page)
+        print(f"wrote {args.docs}")
+        return 0
+    if not args.files:
+        p.error("give result files, or --docs PAGE")
     for path in args.files:
-        doc = json.loads(path.read_text())
-        print(f"### {path.name}\n")
-        if "results" in doc:
-            print("\n".join(step_time_tables(doc)))
-        elif "kinds" in doc:
-            print("\n".join(call_overhead_table(doc)))
-        elif "median_ms" in doc:
-            print("\n".join(step_breakdown_table(doc)))
-        elif "rows" in doc:
-            print("\n".join(sweep_tables(doc)))
-        else:
+        body = tables(json.loads(path.read_text()))
+        if body is None:
             print(f"{path}: not a benchmark result", file=sys.stderr)
             return 1
+        print(f"### {path.name}\n")
+        print("\n".join(body))
         print()
     return 0
 

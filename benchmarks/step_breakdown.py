@@ -32,7 +32,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -47,6 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from gradcomm.bench.results import run_metadata
 
 PHASES = ("forward", "backward", "hooks", "optimizer", "step")
 
@@ -118,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
+    meta = run_metadata(["mpiexec", "-n", str(size), "python", *sys.argv])
     malloc = "retain" if st.retain_freed_memory() else "glibc (mallopt unavailable)"
     st.init_default_group(world)
     base = st.build_model(args.model)
@@ -149,12 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         job = {n: {ph: max(g[n][ph] for g in gathered) for ph in PHASES} for n in names}
         doc: dict[str, Any] = {
             "meta": {
-                "command": " ".join(["mpiexec", "-n", str(size), "python", *sys.argv]),
-                "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds"),
+                **meta,
                 "world_size": size, "model": args.model, "backend": args.backend,
-                "steps": args.steps, "malloc": malloc, "torch": torch.__version__,
-                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                "steps": args.steps, "malloc": malloc, "loadavg_end": list(os.getloadavg()),
                 "gradcomm_options": options, "gradcomm_buckets": layout,
             },
             "median_ms": job,

@@ -50,9 +50,7 @@ import copy
 import datetime
 import json
 import math
-import platform
 import resource
-import shlex
 import statistics
 import sys
 import time
@@ -64,6 +62,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from gradcomm.bench.results import run_metadata
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VARIANTS = ("local", "ddp", "old+gloo", "old+mpi", "gradcomm+gloo", "gradcomm+mpi")
@@ -514,8 +514,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="retain: glibc keeps freed memory, so page faults from heap trimming do "
                         "not land on whichever variant runs next (default); glibc: its defaults")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON file (default benchmarks/results/step_time_<n>ranks_<malloc>.json, "
-                        "the files behind the README's tables)")
+                   help="JSON file (default benchmarks/results/step_time.json, the baseline "
+                        "behind the docs' tables: pass --out elsewhere to keep it)")
     args = p.parse_args(argv)
     if args.steps < 50:
         p.error("need --steps >= 50 timed steps")
@@ -563,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     init_default_group(mpi_comm)
     if rank == 0:
         print(f"{size} ranks, malloc: {malloc}, gradcomm options: {options}", flush=True)
-    load_start = os.getloadavg()
+    meta = run_metadata(["mpiexec", "-n", str(size), "python", *sys.argv])
     results = []
     for model in models:
         res = bench_model(model, names, args, mpi_comm, options)
@@ -577,20 +577,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {'HOLDS ' if c['holds'] else 'MISSED'} {c['target']}: {c['ratio']:.3f}x")
         doc = {
             "meta": {
-                "command": shlex.join(["mpiexec", "-n", str(size), "python", *sys.argv]),
-                "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds"),
-                "world_size": size, "host": platform.node(), "cpu_count": os.cpu_count(),
-                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                "torch": torch.__version__, "steps": args.steps,
+                **meta,
+                "world_size": size, "steps": args.steps,
                 "warmup": args.warmup, "gradcomm_options": options, "malloc": malloc,
-                "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                "loadavg_end": list(os.getloadavg()),
                 "step": "max over ranks of zero_grad+forward+loss+backward(+reduce)+SGD step",
             },
             "results": results,
             "targets": checks,
         }
-        out = args.out or RESULTS_DIR / f"step_time_{size}ranks_{args.malloc}.json"
+        out = args.out or RESULTS_DIR / "step_time.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {out}")

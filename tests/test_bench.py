@@ -256,9 +256,32 @@ def test_plot_from_json_files(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- real sweeps
+def _git_head() -> str | None:
+    done = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def check_provenance(meta: dict[str, object], *, mpi_loaded: bool) -> None:
+    """What every benchmark result must record (``gradcomm.bench.results.run_metadata``)."""
+    assert meta["commit"] == _git_head()
+    assert meta["dirty"] in ((True, False) if meta["commit"] else (None,))
+    machine = meta["machine"]
+    assert isinstance(machine, dict) and machine["cores"] == os.cpu_count()
+    assert isinstance(machine["cpu"], str) and machine["cpu"]
+    assert meta["torch"] == torch.__version__ and meta["python"]
+    assert isinstance(meta["date_utc"], str) and meta["date_utc"].endswith("+00:00")
+    mpi = meta["mpi"]
+    assert isinstance(mpi, dict)
+    if mpi_loaded:
+        assert isinstance(mpi["library"], str) and mpi["library"], mpi
+        assert mpi["mpi4py"]
+
+
 def _check_rows(path: Path, backend: str, world_size: int) -> None:
     result = read_json(path)
     assert result.meta["world_size"] == world_size
+    check_provenance(result.meta, mpi_loaded=backend == "mpi")
     rows = [r for r in result.rows if r.backend == backend]
     assert [r.size for r in rows] == [8, 16, 32, 64, 128, 256, 512, 1024]
     for r in rows:
@@ -420,6 +443,7 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -
                    timeout=120, env={"PYTHONPATH": str(REPO_ROOT)})
     doc = json.loads(out.read_text())
     assert doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == backend
+    check_provenance(doc["meta"], mpi_loaded=True)
     comm_us, raw_us = doc["kinds"]["comm"]["median_us"], doc["kinds"]["raw"]["median_us"]
     assert math.isclose(doc["overhead_us"], comm_us - raw_us)
     shown = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"), str(out)],
@@ -444,6 +468,7 @@ def test_step_breakdown_times_the_reducer_hooks_inside_backward(backend: str,
                     "--out", str(out)], timeout=240, env={"PYTHONPATH": str(REPO_ROOT)})
     doc = json.loads(out.read_text())
     assert doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == backend
+    check_provenance(doc["meta"], mpi_loaded=True)
     job = doc["median_ms"]
     assert set(job) == {"local", f"old+{backend}", f"gradcomm+{backend}"}
     for name, phases in job.items():
@@ -519,3 +544,57 @@ def test_report_reads_every_committed_result() -> None:
                            *map(str, files)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("### ") == len(files)
+
+
+# ----------------------------------------------------------------------------- provenance
+def test_run_metadata_records_commit_machine_and_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradcomm.bench.results import NOTE_ENV, run_metadata
+
+    monkeypatch.setenv(NOTE_ENV, "machine shared with CI")
+    meta = run_metadata(["mpiexec", "-n", "2", "python", "x.py"])
+    check_provenance(meta, mpi_loaded=False)
+    assert meta["command"] == "mpiexec -n 2 python x.py"
+    assert meta["note"] == "machine shared with CI"
+    assert len(meta["loadavg_start"]) == 3
+    json.dumps(meta)  # a result file holds it as JSON
+    monkeypatch.delenv(NOTE_ENV)
+    assert run_metadata()["note"] is None
+
+
+def test_run_metadata_does_not_start_mpi_and_reports_it_once_loaded() -> None:
+    code = ("import sys, json\n"
+            "from gradcomm.bench.results import run_metadata\n"
+            "before = run_metadata()['mpi']\n"
+            "assert 'mpi4py.MPI' not in sys.modules, 'run_metadata imported mpi4py.MPI'\n"
+            "from mpi4py import MPI\n"
+            "print(json.dumps([before, run_metadata()['mpi']]))\n")
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install mpi4py mpich)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    before, after = json.loads(out)
+    assert before["library"] is None and before["mpi4py"]
+    assert isinstance(after["library"], str) and after["library"]
+
+
+def test_run_metadata_outside_a_checkout_records_no_commit(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    from gradcomm.bench import results
+
+    monkeypatch.setattr(results, "_REPO", tmp_path)  # a copy of the package outside git
+    meta = results.run_metadata()
+    assert meta["commit"] is None and meta["dirty"] is None
+
+
+
+def test_docs_results_page_is_generated_from_the_baselines() -> None:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"), "--docs",
+                           str(REPO_ROOT / "docs" / "results.md"), "--check"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    names = {p.name for p in (REPO_ROOT / "benchmarks" / "results").iterdir()}
+    assert names == {"step_time.json", "step_breakdown.json", "call_overhead.json",
+                     "allreduce.json", "allreduce_busbw.png"}
+    for name in names - {"allreduce_busbw.png"}:
+        meta = json.loads((REPO_ROOT / "benchmarks" / "results" / name).read_text())["meta"]
+        for key in ("commit", "dirty", "machine", "torch", "mpi", "date_utc", "command"):
+            assert key in meta, (name, key)

@@ -12,10 +12,8 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -130,19 +128,13 @@ def _launch_prefix(launcher: str, world_size: int) -> list[str]:
 
 
 def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str, Any]:
-    import torch
+    from .results import run_metadata
 
     return {
         "tool": "gradcomm.bench",
         "collective": "all_reduce",
-        "command": " ".join([*_launch_prefix(launcher, world_size), "python", "-m",
-                             "gradcomm.bench", *sys.argv[1:]]),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **run_metadata([*_launch_prefix(launcher, world_size), "python", "-m", "gradcomm.bench",
+                        *sys.argv[1:]]),
         "world_size": world_size,
         "launcher": launcher,
         "dtype": args.dtype,
@@ -182,10 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from .. import comm as gc
-    from ..comm.registry import normalize_backend_name
+    from ..comm.registry import check_backend, known_backends, normalize_backend_name
+    from ..comm.selection import resolve_timeout
     from ..comm.types import ReduceOp
     from .metrics import dtype_name, parse_dtype, size_sweep
-    from .results import SweepResult, format_table, write_csv, write_json
+    from .results import SweepResult, format_table, mpi_versions, write_csv, write_json
     from .sweep import make_raw_transport, raw_transport_unavailable, run_sweep
 
     try:  # bad names are usage errors, reported alike on every rank before any rendezvous
@@ -195,15 +188,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for entry in args.backend or [gc.select_backend().name]:
             backends += [normalize_backend_name(b) for b in entry.split(",")
                          if b.strip()]
-        unknown = [b for b in backends if b not in gc.known_backends()]
+        unknown = [b for b in backends if b not in known_backends()]
         if unknown:
             raise ValueError(f"unknown backend(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(gc.known_backends())}")
+                             f"{', '.join(known_backends())}")
         for name in backends:
-            gc.check_backend(name)  # a missing package or GPU, before any rendezvous
+            check_backend(name)  # a missing package or GPU, before any rendezvous
         if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
             raise ValueError(f"--op avg needs a floating-point --dtype, got {args.dtype}")
-        gc.resolve_timeout(args.timeout)  # --timeout, else GRADCOMM_TIMEOUT
+        resolve_timeout(args.timeout)  # --timeout, else GRADCOMM_TIMEOUT
     except (ValueError, TypeError, ImportError, RuntimeError) as exc:
         parser.error(str(exc))
     elem = torch.empty((), dtype=dtype).element_size()
@@ -271,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raw.close()
             comm.close()
     if rank0:
+        result.meta["mpi"] = mpi_versions()  # the mpi backend may have loaded MPI since the start
         if args.json is not None:
             write_json(result, args.json)
             print(f"# wrote {args.json}")

@@ -1,11 +1,17 @@
-"""Rows of an all-reduce sweep, and their CSV, JSON and nccl-tests-style text forms."""
+"""Rows of an all-reduce sweep, their CSV, JSON and nccl-tests-style text forms, and the
+provenance every benchmark result records (:func:`run_metadata`)."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import datetime
 import json
 import math
+import os
+import platform
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +24,14 @@ __all__ = [
     "write_json",
     "read_json",
     "format_table",
+    "run_metadata",
+    "mpi_versions",
+    "NOTE_ENV",
 ]
+
+#: Environment variable whose value a result records as ``note`` (e.g. "machine shared with CI").
+NOTE_ENV = "GRADCOMM_BENCH_NOTE"
+_REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -167,3 +180,79 @@ def format_table(rows: Sequence[SweepRow]) -> list[str]:
             f"{_num(r.overhead_us, 8, 1)} {_num(r.overhead_ratio, 7, 3)}"
         )
     return lines
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(_REPO), *args], capture_output=True, text=True,
+                              timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def mpi_versions() -> dict[str, Any]:
+    """``mpi4py``'s version and, once this process imported ``mpi4py.MPI``, its library banner."""
+    # Only a process that already imported mpi4py.MPI is asked for its library: importing it
+    # here would initialise MPI (or, with rc.initialize off, stop a later import from doing so).
+    from ..info import _dist_version
+
+    out: dict[str, Any] = {"mpi4py": _dist_version("mpi4py"), "library": None}
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        out["library"] = " ".join(mpi.Get_library_version().split("\n", 1)[0].split())
+    return out
+
+
+def run_metadata(command: Sequence[str] | None = None) -> dict[str, Any]:
+    """Where and how a benchmark ran: the provenance each file in ``benchmarks/results`` records.
+
+    Call it once at the start of a run (the tree state and load are taken then).
+
+    Args:
+        command: the command line as run (default: ``sys.argv`` after ``python``).
+
+    Returns:
+        A JSON-serialisable dict: ``command``, ``date_utc``; ``commit`` (``git rev-parse HEAD`` of
+        the checkout gradcomm is imported from, None outside one) and ``dirty`` (tracked files
+        differ from it; None when unknown); ``machine`` (``cpu`` model, ``cores`` as
+        ``os.cpu_count()``, ``usable_cores`` of this process's affinity mask, ``host``);
+        ``python``, ``torch``, ``mpi`` (``mpi4py`` version and the MPI ``library`` banner's first
+        line, when this process imported ``mpi4py.MPI``), ``omp_num_threads``,
+        ``loadavg_start`` (1, 5, 15 minutes) and ``note`` (the ``GRADCOMM_BENCH_NOTE``
+        environment variable, e.g. what else ran on the machine).
+    """
+    import torch
+
+    # Only a source checkout's own history says which code ran (not one the venv lies inside).
+    commit = _git("rev-parse", "HEAD") if (_REPO / ".git").exists() else None
+    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    try:
+        usable: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = None
+    return {
+        "command": " ".join(command if command is not None else ["python", *sys.argv]),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "dirty": None if status is None else bool(status),
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "usable_cores": usable,
+                    "host": platform.node()},
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mpi": mpi_versions(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "note": os.environ.get(NOTE_ENV) or None,
+    }
