@@ -13,6 +13,11 @@ SGD step) for each variant -- the same user code for every variant:
   (``torch.distributed.all_reduce`` on gloo, or mpi4py's ``Allreduce`` in place), divides by the
   world size and copies back.
 * ``local``: every rank computes its own step with no communication (the compute floor).
+* ``ddp+powersgd`` / ``gradcomm+gloo+powersgd`` / ``gradcomm+mpi+powersgd`` (not run by
+  default): PowerSGD gradient compression, torch's own ``powerSGD_hook`` on DDP and gradcomm's
+  ``"powersgd"`` comm hook, with the same options (``--powersgd-rank``, ``--powersgd-start-iter``;
+  the other options torch's defaults). Their table rows add ``x plain`` (against the same variant
+  without compression) and ``x ddp+psgd`` (against DDP with torch's PowerSGD hook).
 
 Variants are interleaved step by step: after ``--warmup`` untimed steps each, round ``i`` of
 ``--steps`` runs one timed step of every variant, in an order rotated every round, so a slow
@@ -67,6 +72,8 @@ from gradcomm.bench.results import run_metadata
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VARIANTS = ("local", "ddp", "old+gloo", "old+mpi", "gradcomm+gloo", "gradcomm+mpi")
+POWERSGD_VARIANTS = ("ddp+powersgd", "gradcomm+gloo+powersgd", "gradcomm+mpi+powersgd")
+KNOWN_VARIANTS = VARIANTS + POWERSGD_VARIANTS
 MODELS = ("mlp", "conv", "transformer")
 
 
@@ -167,6 +174,26 @@ class DDPVariant(Variant):
                                                    process_group=self.group)
 
 
+class DDPPowerSGDVariant(DDPVariant):
+    """DDP with torch's own PowerSGD comm hook."""
+
+    name = "ddp+powersgd"
+
+    def __init__(self, base: nn.Module, lr: float, rank: int, start_iter: int) -> None:
+        self.psgd = (rank, start_iter)
+        super().__init__(base, lr)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        ddp = super().wrap(model)
+        state = psgd.PowerSGDState(process_group=self.group,
+                                   matrix_approximation_rank=self.psgd[0],
+                                   start_powerSGD_iter=self.psgd[1])
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return ddp
+
+
 class OldAlgorithm:
     """NVIDIA tacotron2's ``apply_gradient_allreduce``, reimplemented as the baseline.
 
@@ -245,12 +272,14 @@ class OldMPIVariant(Variant):
 
 
 class GradcommVariant(Variant):
-    def __init__(self, base: nn.Module, lr: float, backend: str, options: dict[str, Any]) -> None:
+    def __init__(self, base: nn.Module, lr: float, backend: str, options: dict[str, Any],
+                 powersgd: tuple[int, int] | None = None) -> None:
         import gradcomm
 
-        self.name = f"gradcomm+{backend}"
+        self.name = f"gradcomm+{backend}" + ("+powersgd" if powersgd else "")
         self.backend = backend
         self.options = options
+        self.powersgd = powersgd
         self.comm = gradcomm.init(backend)
         super().__init__(base, lr)
 
@@ -258,6 +287,12 @@ class GradcommVariant(Variant):
         from gradcomm.hooks import GradientReducer
 
         self.reducer = GradientReducer(model, self.comm, **self.options)
+        if self.powersgd is not None:
+            from gradcomm.hooks import PowerSGDState
+
+            rank, start = self.powersgd
+            self.reducer.register_comm_hook("powersgd", state=PowerSGDState(
+                self.comm, matrix_approximation_rank=rank, start_powerSGD_iter=start))
         return model
 
     def layout(self) -> dict[str, Any]:
@@ -273,7 +308,12 @@ class GradcommVariant(Variant):
         self.comm.close()
 
 
-def build_variant(name: str, base: nn.Module, lr: float, options: dict[str, Any]) -> Variant:
+def build_variant(name: str, base: nn.Module, lr: float, options: dict[str, Any],
+                  powersgd: tuple[int, int] = (1, 2)) -> Variant:
+    if name == "ddp+powersgd":
+        return DDPPowerSGDVariant(base, lr, *powersgd)
+    if name.startswith("gradcomm+") and name.endswith("+powersgd"):
+        return GradcommVariant(base, lr, name.split("+")[1], options, powersgd)
     if name == "local":
         return Variant(base, lr)
     if name == "ddp":
@@ -284,7 +324,7 @@ def build_variant(name: str, base: nn.Module, lr: float, options: dict[str, Any]
         return OldMPIVariant(base, lr)
     if name.startswith("gradcomm+"):
         return GradcommVariant(base, lr, name.split("+", 1)[1], options)
-    raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+    raise ValueError(f"unknown variant {name!r}; known: {', '.join(KNOWN_VARIANTS)}")
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -347,7 +387,8 @@ def bench_model(
     base = build_model(model_name)
     nparams = sum(p.numel() for p in base.parameters())
     batches = make_batches(model_name, rank)
-    variants = {name: build_variant(name, base, args.lr, options) for name in variant_names}
+    psgd = (args.powersgd_rank, args.powersgd_start_iter)
+    variants = {name: build_variant(name, base, args.lr, options, psgd) for name in variant_names}
     step_index = {name: 0 for name in variant_names}
 
     def run(name: str, steps: int, times: list[float] | None,
@@ -398,8 +439,10 @@ def bench_model(
     for name in variant_names:
         per_step = job[name]
         q1, med, q3 = quartiles(per_step)
-        backend = name.split("+", 1)[1] if "+" in name else ""
+        backend = name.split("+")[1] if "+" in name else ""
         refs = {"ddp": "ddp", "old": f"old+{backend}" if name.startswith("gradcomm+") else ""}
+        if name.endswith("+powersgd"):
+            refs.update(plain=name.removesuffix("+powersgd"), ddp_psgd="ddp+powersgd")
         paired = {key: (statistics.median(a / b for a, b in zip(per_step, job[ref], strict=True))
                         if ref in job else None) for key, ref in refs.items()}
         step_faults = [max(g[name][i] for g in gathered_faults) for i in range(len(per_step))]
@@ -412,6 +455,7 @@ def bench_model(
             "param_spread_across_ranks": spread[name],
             "max_abs_param_diff_vs_ddp": vs_ddp[name],
             "x_ddp": paired["ddp"], "x_old": paired["old"],
+            "x_plain": paired.get("plain"), "x_ddp_powersgd": paired.get("ddp_psgd"),
         }
     return out
 
@@ -435,20 +479,23 @@ def table(result: dict[str, Any]) -> list[str]:
         "  (x ddp, x old: median over rounds of the paired per-round ratio; rank spread: max abs"
         " difference of the final parameters between ranks; vs ddp: max abs difference from"
         " DDP's final parameters (0: bit-identical); faults: minor page faults per step)",
-        f"  {'variant':<15} {'median ms':>10} {'IQR ms':>8} {'x ddp':>7} {'x old':>7}"
-        f" {'rank spread':>12} {'vs ddp':>9} {'faults':>7}",
+        f"  {'variant':<22} {'median ms':>10} {'IQR ms':>8} {'x ddp':>7} {'x old':>7}"
+        f" {'rank spread':>12} {'vs ddp':>9} {'faults':>7} {'x plain':>8} {'x ddp+psgd':>10}",
     ]
     for name, v in result["variants"].items():
-        backend = name.split("+", 1)[1] if "+" in name else ""
+        backend = name.split("+")[1] if "+" in name else ""
         x_ddp = ratio(result, name, "ddp")
         x_old = ratio(result, name, f"old+{backend}") if name.startswith("gradcomm+") else None
         diff = v["max_abs_param_diff_vs_ddp"]
+        extra = [v.get("x_plain"), v.get("x_ddp_powersgd")]
+        plain, vs_psgd = ("" if x is None or name == "ddp+powersgd" else f"{x:.3f}"
+                          for x in extra)
         lines.append(
-            f"  {name:<15} {v['median_ms']:>10.2f} {v['iqr_ms']:>8.2f} "
+            f"  {name:<22} {v['median_ms']:>10.2f} {v['iqr_ms']:>8.2f} "
             f"{'' if x_ddp is None else f'{x_ddp:.3f}':>7} "
             f"{'' if x_old is None else f'{x_old:.3f}':>7} "
             f"{v['param_spread_across_ranks']:>12.1e} {'' if diff is None else f'{diff:.1e}':>9}"
-            f" {v.get('page_faults_per_step', 0):>7.0f}"
+            f" {v.get('page_faults_per_step', 0):>7.0f} {plain:>8} {vs_psgd:>10}"
         )
     for name, v in result["variants"].items():
         lay = v.get("buckets")
@@ -495,7 +542,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(MODELS),
                    help="comma-separated: mlp,conv,transformer")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+                   help=f"comma-separated subset of {','.join(KNOWN_VARIANTS)} (default: all "
+                        "but the powersgd ones)")
+    p.add_argument("--powersgd-rank", type=int, default=1,
+                   help="matrix_approximation_rank of the powersgd variants (default 1)")
+    p.add_argument("--powersgd-start-iter", type=int, default=2,
+                   help="start_powerSGD_iter of the powersgd variants (default 2: torch's "
+                        "smallest with error feedback; the warm-up steps cover it)")
     p.add_argument("--steps", type=int, default=60,
                    help="timed steps per variant, interleaved (default 60, at least 50)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -529,7 +582,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--in-place-min-mb must be a number of MiB >= 0, 'inf' or 'auto', got "
                 f"{args.in_place_min_mb}")
     for flag, text, known in (("--models", args.models, MODELS),
-                              ("--variants", args.variants, VARIANTS)):
+                              ("--variants", args.variants, KNOWN_VARIANTS)):
         chosen = [v.strip() for v in text.split(",") if v.strip()]
         if not chosen:
             p.error(f"{flag} names nothing; choose from {','.join(known)}")

@@ -26,6 +26,9 @@ the sum of its samples' cross-entropies times ``world_size / len(batch)``, so af
 the mean loss over the whole global batch: results do not depend on the world size beyond float
 rounding.
 
+``--comm-hook`` picks how buckets are summed; ``--comm-hook powersgd`` compresses them with
+PowerSGD (rank ``--powersgd-rank``, after ``--powersgd-start-iter`` plain steps; docs/powersgd.md).
+
 Output: rank 0 prints one line per epoch (training loss and accuracy, held-out accuracy), then
 ``final held-out accuracy: 0.XXXX``; it shows a tqdm progress bar on stderr. Log records (stderr)
 carry the rank. At the end every rank all-gathers a SHA-256 digest of its parameters through the
@@ -53,6 +56,7 @@ from torch import nn
 from tqdm import tqdm
 
 import gradcomm
+from gradcomm.hooks import PowerSGDState
 
 log = logging.getLogger("train_digits")
 
@@ -96,9 +100,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="collective timeout in seconds (default GRADCOMM_TIMEOUT, else 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, init and shuffling")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--comm-hook", default="allreduce",
+                   choices=("allreduce", "fp16_compress", "bf16_compress", "powersgd"),
+                   help="how gradient buckets are summed (default allreduce)")
+    p.add_argument("--powersgd-rank", type=int, default=2,
+                   help="PowerSGD's matrix_approximation_rank (default 2)")
+    p.add_argument("--powersgd-start-iter", type=int, default=10,
+                   help="PowerSGD's start_powerSGD_iter: plain all-reduce steps first (default 10)")
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or not 0 < args.lr < math.inf or args.hidden < 1:
         p.error("--epochs, --batch-size and --hidden must be >= 1 and --lr a finite number > 0")
+    if args.powersgd_rank < 1 or args.powersgd_start_iter < 0:
+        p.error("--powersgd-rank must be >= 1 and --powersgd-start-iter >= 0")
     if args.device is not None:
         try:
             torch.device(args.device)
@@ -167,8 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.to(device)
     # Broadcasts rank 0's parameters; from now on backward() leaves averaged gradients.
     reducer = gradcomm.GradientReducer(model, comm)
-    log.info("gradient reducer: %d parameter(s) in %d bucket(s)",
-             len(reducer.parameter_names), len(reducer.buckets))
+    if args.comm_hook == "powersgd":
+        reducer.register_comm_hook("powersgd", state=PowerSGDState(
+            comm, matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=args.powersgd_start_iter))
+    else:
+        reducer.register_comm_hook(args.comm_hook)
+    log.info("gradient reducer: %d parameter(s) in %d bucket(s), comm hook %s",
+             len(reducer.parameter_names), len(reducer.buckets), args.comm_hook)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     n = len(x_tr)

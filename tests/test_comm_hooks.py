@@ -90,8 +90,8 @@ def test_user_hook_receives_bucket_and_result_is_written_back(in_place: float) -
     assert [m[0] for m in mine] == [b.index for b in infos]
     for (index, numel, names, last, in_place_seen), info in zip(mine, infos, strict=True):
         assert in_place_seen == info.in_place
-        # gradients, then presence flags (an in-place bucket's flag travels separately)
-        assert numel == info.numel + (0 if info.in_place else len(info.param_names))
+        # gradients only: the presence flags travel in the reducer's control tensor
+        assert numel == info.numel
         assert names == info.param_names and last == (index == len(infos) - 1)
     assert any(info.in_place for info in infos) == (in_place < 1)
 

@@ -2,7 +2,8 @@
 
 :class:`GradientReducer` averages gradients across ranks during ``loss.backward()``;
 :func:`apply_gradient_allreduce` is the old one-call entry point; :mod:`.comm_hooks` holds the
-ways a bucket can be summed (plain all-reduce, fp16/bf16 compression, or your own).
+ways a bucket can be summed (plain all-reduce, fp16/bf16 compression, or your own), and
+:mod:`.powersgd` the PowerSGD low-rank compression hook.
 """
 
 from .comm_hooks import (
@@ -17,6 +18,7 @@ from .comm_hooks import (
     fp16_compress_wrapper,
     resolve_comm_hook,
 )
+from .powersgd import PowerSGDState, powersgd_hook
 from .reducer import (
     BucketInfo,
     GradientReducer,
@@ -43,4 +45,6 @@ __all__ = [
     "fp16_compress_wrapper",
     "bf16_compress_wrapper",
     "resolve_comm_hook",
+    "PowerSGDState",
+    "powersgd_hook",
 ]

@@ -7,9 +7,11 @@ bucket is launched through the comm hook -- strictly in index order, so every ra
 collectives in the same order (torch DDP's reducer does the same); in-flight collectives are polled
 from the hooks (MPI progresses only inside MPI calls). At the end of backward :meth:`finish`
 launches the rest (no gradient on this rank counts as zeros), waits for every bucket in order and
-writes the averages back. A pass that raised is noticed at the next forward, backward or
-``synchronize()``, and :meth:`abort` sends its remaining buckets marked as failed, so that the
-other ranks' backward of that step raises too instead of pairing collectives of different steps.
+writes the averages back. Besides the buckets, every pass sends one small control tensor (see
+:mod:`._control`: presence flags and the failure signal), after the last bucket. A pass that
+raised is noticed at the next forward, backward or ``synchronize()``, and :meth:`abort` sends its
+remaining buckets and the control tensor marked as failed, so that the other ranks' backward of
+that step raises too instead of pairing collectives of different steps.
 
 Nested backward passes (reentrant activation checkpointing) run their own autograd graph task; a
 callback that fires at the end of such an inner task defers itself to the end of the outer one.
@@ -30,6 +32,7 @@ from ..comm.errors import CollectiveTimeoutError
 from ..comm.work import Work
 from ._autograd import BackwardEnd, current_autograd_node, queue_engine_callback
 from ._buckets import Bucket, overlapping_grads
+from ._control import CONTROL_LABEL, ControlTensor
 from ._guard import ModelGuard
 from ._options import ReducerOptions, qualified_name
 from ._sync import broadcast_tensors, check_fingerprint
@@ -38,9 +41,6 @@ from .comm_hooks import CommHookFn, GradBucket
 __all__ = ["BackwardPass", "CommHookSlot"]
 
 logger = logging.getLogger("gradcomm.hooks")
-
-_PRESENCE_LABEL = "presence flags of the in-place gradients"
-
 
 class CommHookSlot:
     """The comm hook a reducer sends its buckets through, and whether ranks agreed on it."""
@@ -99,26 +99,21 @@ class BackwardPass:
         for b in buckets:
             for slot, pid in enumerate(b.param_ids):
                 self.loc[pid] = (b.index, slot)
-        # Presence flags of the in-place buckets (1 where this rank has the gradient), summed by
-        # one all-reduce at the end of each synchronised backward pass: float32, which every
-        # transport reduces natively and which counts ranks exactly.
         self.in_place = [b for b in buckets if b.in_place]
         # Hooks launch the shared buckets below this index; the rest go at the end of backward.
-        # At least one bucket always waits for the end-of-backward callback (the last shared one
-        # when there is no in-place bucket), so a backward that raises after its last parameter
-        # hook (a parameter-free branch that runs last, a read-only user hook registered after
-        # the reducer's) still has a bucket to send marked as failed (see abort), and the
-        # other ranks learn of the failure. Costs nothing where the last gradient is among the
-        # last things backward computes (the first layer's weight, as usual).
+        # At least one bucket waits for the end-of-backward callback (the last shared one when
+        # there is no in-place bucket), so a gradient accumulated again after its last hook
+        # (reentrant checkpointing near the input) is staged again rather than refused. Costs
+        # nothing where the last gradient is among the last things backward computes.
         shared = len(buckets) - len(self.in_place)
         self.hook_launch_limit = shared if self.in_place else max(shared - 1, 0)
-        self.presence = torch.zeros(
-            len(self.in_place), dtype=torch.float32,
-            device=self.in_place[0].device if self.in_place else None,
-        )
-        for k, b in enumerate(self.in_place):
-            b.flags = self.presence[k : k + 1]
-        self.presence_work: Work | None = None
+        self.control = ControlTensor(comm, [len(b.params) for b in buckets])
+        self._spans: list[tuple[int, int]] = []  # each bucket's presence flags in the control
+        offset = 0
+        for b, flags in zip(buckets, self.control.flags, strict=True):
+            b.flags = flags
+            self._spans.append((offset, offset + len(b.params)))
+            offset += len(b.params)
         self.overlapping: frozenset[int] = frozenset()
         self.require_sync = True
         self.epoch_active = False
@@ -247,13 +242,6 @@ class BackwardPass:
                 b.stage(slot)
         self.hook.send(b, b.prepare(self.overlapping))
 
-    def _send_presence(self) -> None:
-        """Post the in-place buckets' presence flags, once per backward pass (if there are any)."""
-        if self.in_place and self.presence_work is None:
-            self.presence_work = self.comm.all_reduce(
-                self.presence, async_op=True, label=_PRESENCE_LABEL
-            )
-
     def finish(self) -> None:
         """Launch the rest, wait for every bucket in order, and write the averages back.
 
@@ -267,21 +255,18 @@ class BackwardPass:
             while self.next < len(self.buckets):
                 self.launch(self.buckets[self.next])
                 self.next += 1
-            self._send_presence()
-            failed_elsewhere: str | None = None  # a bucket another rank sent as failed
+            control = self.control
+            control.send()
             for b in self.buckets:
                 assert b.work is not None  # every bucket was launched above
                 self._wait(b.work, b.label())
-                if (not b.in_place and failed_elsewhere is None
-                        and not b.write_back(self.overlapping)):
-                    failed_elsewhere = b.label()
-            if self.presence_work is not None:
-                self._wait(self.presence_work, _PRESENCE_LABEL)
-                if failed_elsewhere is None and any(f != f for f in self.presence.tolist()):
-                    failed_elsewhere = _PRESENCE_LABEL
-                if failed_elsewhere is None:
-                    for b in self.in_place:
-                        b.write_back(self.overlapping)
+            assert control.work is not None  # sent above
+            self._wait(control.work, CONTROL_LABEL)
+            failed_elsewhere = control.failed_elsewhere()
+            if not failed_elsewhere:
+                summed = control.summed()
+                for b, (lo, hi) in zip(self.buckets, self._spans, strict=True):
+                    b.write_back(summed[lo:hi], self.overlapping)
         except BaseException as exc:
             if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
                 self.mark_failed(f"{type(exc).__name__}: {exc}")
@@ -292,14 +277,13 @@ class BackwardPass:
         observer = self.comm.profiler
         if observer is not None:
             observer.step()  # a profiled step ends when its backward's buckets are reduced
-        if failed_elsewhere is not None:
+        if failed_elsewhere:
             raise RuntimeError(
-                f"GradientReducer: the backward pass of this step raised on another rank, which "
-                f"sent the rest of its buckets marked as failed ({failed_elsewhere} and after); "
-                "the gradients of this step are not averaged (those of later buckets were not "
-                "written back). Every rank's backward of this step raised (this error here, "
-                "the original one there): handle it alike on every rank -- skip the step "
-                "(optimizer.zero_grad()) or redo it -- and the ranks stay in step"
+                "GradientReducer: the backward pass of this step raised on another rank (its "
+                "control tensor said so); no gradient of this step was written back. Every "
+                "rank's backward of this step raised (this error here, the original one there): "
+                "handle it alike on every rank -- skip the step (optimizer.zero_grad()) or redo "
+                "it -- and the ranks stay in step"
             )
 
     def _wait(self, work: Work, label: str) -> None:
@@ -313,7 +297,7 @@ class BackwardPass:
     def _reset(self) -> None:
         for b in self.buckets:
             b.reset()
-        self.presence_work = None
+        self.control.reset()
         self.ready = [False] * len(self.params)
         self.next = 0
         self.polled = 0
@@ -321,17 +305,17 @@ class BackwardPass:
         self.checked = False
 
     def _send_rest_as_failed(self) -> None:
-        """Send the buckets of this backward pass not sent yet, marked as failed (see
-        :meth:`abort`): a rank that receives a NaN flag raises instead of writing back."""
+        """Send the buckets of this backward pass not sent yet and the control tensor, marked as
+        failed (see :meth:`abort`): a rank that receives the mark raises instead of writing
+        back."""
         try:
             with torch.no_grad():
                 while self.next < len(self.buckets):
                     b = self.buckets[self.next]
                     self.hook.send(b, b.failed())
                     self.next += 1
-                if self.presence_work is None:  # not posted yet: it can still carry the mark
-                    self.presence.fill_(float("nan"))
-                self._send_presence()
+                self.control.mark_failed()  # unless already sent (then it is too late)
+                self.control.send()
         except Exception as exc:  # noqa: BLE001 - already failing; wait for what went out
             logger.warning("GradientReducer: sending the rest of a failed backward pass failed: "
                            "%s", exc)
@@ -340,7 +324,7 @@ class BackwardPass:
         """End a pass that failed on this rank, so the next step starts clean on every rank."""
         # A backward pass that failed here (a user hook, a data-dependent error) may not have
         # failed on the other ranks: they wait for the buckets this rank has not sent yet. Send
-        # them, marked as failed (NaN presence flags), so that the others' backward of this step
+        # them, and the control tensor marked as failed, so that the others' backward of this step
         # raises too instead of averaging partial gradients or pairing the next step's buckets
         # with these; then wait for what was sent, so the next step starts clean on every rank.
         # Not after a timeout or a transport failure, and not past the first failure: the buckets
@@ -352,7 +336,7 @@ class BackwardPass:
             self._send_rest_as_failed()
         if wait:
             works = [(b.work, b.label()) for b in self.buckets[: self.next]]
-            works.append((self.presence_work, _PRESENCE_LABEL))
+            works.append((self.control.work, CONTROL_LABEL))
             for work, label in works:
                 if work is not None:
                     try:
@@ -362,8 +346,8 @@ class BackwardPass:
                                        "waiting for the buckets after it", label, exc)
                         break
         if failed_here and self.view:
-            # The views are param.grad: what the pass's buckets hold now (partial sums, NaN-flagged
-            # data) arrived after the error, perhaps after the caller's zero_grad(set_to_none=
+            # The views are param.grad: what the pass's buckets hold now (partial sums of a failed
+            # step) arrived after the error, perhaps after the caller's zero_grad(set_to_none=
             # False), and would be added to the next step's gradients. The step failed: zero them.
             for b in self.buckets:
                 b.zero()

@@ -7,10 +7,11 @@ when it reaches its cap (the first one ``first_cap``), as torch DDP's reducer la
 gradient of at least the in-place threshold is a bucket of its own, reduced in ``param.grad``
 itself (as Horovod reduces tensors); those come after the shared buckets.
 
-Storage: a :class:`SharedBucket` owns one persistent flat buffer, allocated once, into which each
-gradient is copied pre-divided (or of which it is a view, ``gradient_as_bucket_view``); an
-:class:`InPlaceBucket` owns no buffer. Either has one presence flag per parameter (1 where this
-rank has the gradient) in a tensor the reducer sums across ranks.
+Storage: a :class:`SharedBucket` owns one persistent flat buffer of exactly its gradients, allocated
+once, into which each gradient is copied pre-divided (or of which it is a view,
+``gradient_as_bucket_view``); an :class:`InPlaceBucket` owns no buffer. Either has one presence
+flag per parameter (1 where this rank has the gradient) in the reducer's control tensor (see
+:mod:`._control`), which is summed across ranks separately.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class _BucketBase:
         self.numel = sum(p.numel() for p in self.params)
         self.pre, self.post = factors
         self.last = last
-        self.flags = torch.zeros(0)  # this bucket's slots of a presence tensor (set by the owner)
+        self.flags = torch.zeros(0)  # this bucket's slots of the control tensor (set by the owner)
         self.buffer: torch.Tensor | None = None  # in place: what was sent in the gradient's stead
         self.views: list[torch.Tensor] = []
         self.pending = len(self.params)
@@ -184,18 +185,14 @@ class _BucketBase:
 
 
 class SharedBucket(_BucketBase):
-    """A bucket with a persistent flat buffer: ``flat`` is ``numel`` gradient elements (``data``,
-    one view per parameter in ``views``) followed by one presence flag per parameter (``flags``),
-    in the bucket's dtype and on its device."""
+    """A bucket with a persistent flat buffer: ``flat`` (also ``data``) is its ``numel`` gradient
+    elements, one view per parameter in ``views``, in the bucket's dtype and on its device."""
 
     def __init__(self, index: int, params: list[Entry], factors: tuple[float, float],
                  last: bool, view: bool) -> None:
         super().__init__(index, params, factors, last)
         self.view = view
-        self.flat = torch.zeros(self.numel + len(self.params), dtype=self.dtype,
-                                device=self.device)
-        self.data = self.flat[: self.numel]
-        self.flags = self.flat[self.numel:]
+        self.flat = self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         offset = 0
         for p in self.params:
             self.views.append(self.data.as_strided(p.shape, _dense_strides(p), offset))
@@ -266,24 +263,19 @@ class SharedBucket(_BucketBase):
             if all(self.present):
                 self.flags.fill_(1)
             else:
-                self.flags.copy_(torch.tensor(self.present, dtype=self.dtype))
+                self.flags.copy_(torch.tensor(self.present, dtype=self.flags.dtype))
         assert self.grad_bucket is not None  # made in __init__
         return self.grad_bucket
 
     def failed(self) -> GradBucket:
-        """What to send in a backward pass that failed here: the buffer, flags set to NaN."""
-        with torch.no_grad():
-            self.flags.fill_(float("nan"))
+        """What to send in a backward pass that failed here: the buffer as it is (the control
+        tensor carries the failure)."""
         assert self.grad_bucket is not None  # made in __init__
         return self.grad_bucket
 
-    def write_back(self, overlapping: frozenset[int]) -> bool:
-        """Average and write back the summed buffer; False (nothing written) when another rank
-        sent it as failed (NaN presence flags)."""
+    def write_back(self, flags: list[float], overlapping: frozenset[int]) -> None:
+        """Average and write back the summed buffer (``flags``: the summed presence flags)."""
         post = self.post
-        flags = self.flags.tolist()
-        if any(f != f for f in flags):
-            return False
         with torch.no_grad():
             if self.view and post != 1.0:
                 self.data.div_(post)
@@ -300,7 +292,6 @@ class SharedBucket(_BucketBase):
                     torch.div(v, post, out=g)
                 else:
                     g.copy_(v)
-        return True
 
     def zero(self) -> None:
         """Zero the buffer (view mode: the views are ``param.grad``) after a failed step."""
@@ -312,7 +303,7 @@ class InPlaceBucket(_BucketBase):
     """One parameter whose gradient is reduced in ``param.grad`` itself, at the end of backward.
 
     ``flat`` is empty (no buffer of its own); ``flags`` is this bucket's slot of the reducer's
-    presence tensor, set by the reducer.
+    control tensor, set by the reducer.
     """
 
     in_place = True
@@ -368,13 +359,12 @@ class InPlaceBucket(_BucketBase):
         p = self.params[0]
         return self._wrap(torch.zeros(p.shape, dtype=p.dtype, device=p.device))
 
-    def write_back(self, overlapping: frozenset[int]) -> bool:
-        """Post-divide the sum and leave it in ``param.grad`` (the presence flag was summed and
-        checked by the reducer)."""
+    def write_back(self, flags: list[float], overlapping: frozenset[int]) -> None:
+        """Post-divide the sum and leave it in ``param.grad`` (``flags``: the summed flag)."""
         buf, self.buffer = self.buffer, None
         assert buf is not None  # set by the send
-        if float(self.flags) == 0.0:
-            return True  # no gradient on any rank (so none here either): grad stays None
+        if flags[0] == 0.0:
+            return  # no gradient on any rank (so none here either): grad stays None
         p, post = self.params[0], self.post
         with torch.no_grad():
             if post != 1.0:
@@ -387,7 +377,6 @@ class InPlaceBucket(_BucketBase):
                 p.grad = buf if p.is_contiguous() else torch.empty_like(p).copy_(buf)
             elif g is not buf:  # sent as a copy (non-contiguous, lazy conj/neg)
                 g.copy_(buf)
-        return True
 
     def zero(self) -> None:
         """Nothing to zero: the gradient was the user's (left alone when the step failed)."""

@@ -13,6 +13,9 @@ Built-in hooks, selectable by :class:`CommHook` member, by its name, or as the f
 ``allreduce``        :func:`allreduce_hook`: one all-reduce (SUM) of the bucket as it is.
 ``fp16_compress``    :func:`fp16_compress_hook`: cast to float16, all-reduce, cast back.
 ``bf16_compress``    :func:`bf16_compress_hook`: cast to bfloat16, all-reduce, cast back.
+``powersgd``         :func:`~gradcomm.hooks.powersgd.powersgd_hook`: low-rank compression
+                     (PowerSGD); by name it gets a :class:`~gradcomm.hooks.PowerSGDState` of
+                     default options (see :func:`default_hook_state`).
 ==================  =====================================================================
 
 Accumulation dtype of the compression hooks: the sum is computed by the transport in the wire dtype
@@ -22,13 +25,12 @@ that upcasts to float32) accumulates in that wider dtype. The result is then cas
 bucket's dtype. The reducer's pre-divide (see :func:`~gradcomm.hooks.default_predivide_factor`)
 keeps float16 partial sums in range, "to avoid overflow" as the DDP fp16 hook puts it.
 
-The bucket buffer ends with one presence flag per parameter (1 where this rank has a gradient for
-it, else 0) so that a parameter without a gradient on every rank keeps ``grad=None`` without a
-second collective; a custom hook must sum those flags with the gradients (any reduction of the whole
-buffer to a float dtype does, as 0/1 flags and their counts are exact there). An in-place bucket
-(``GradBucket.in_place``: one large gradient reduced in ``param.grad`` itself at the end of
-backward, see the reducer's ``in_place_min_mb``) has no flags: its buffer is the gradient (see
-:attr:`GradBucket.flat`), and its flag travels separately.
+The bucket buffer holds exactly the bucket's gradients, flattened in parameter order: the
+reducer's own state (which ranks have which gradient, whether a rank's backward failed) travels in
+a control tensor of its own, so a hook may transform the buffer freely (compress it, approximate
+it) as long as it leaves the sum. An in-place bucket (``GradBucket.in_place``: one large gradient
+reduced in ``param.grad`` itself at the end of backward, see the reducer's ``in_place_min_mb``)
+has the gradient itself as its buffer (see :attr:`GradBucket.flat`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "fp16_compress_wrapper",
     "bf16_compress_wrapper",
     "resolve_comm_hook",
+    "default_hook_state",
     "warn_if_slow",
 ]
 
@@ -71,16 +74,16 @@ class GradBucket:
 
     Attributes:
         bucket_index: index of the bucket; buckets are reduced in increasing index order.
-        flat: 1-D contiguous tensor of ``numel + len(params)`` elements, the bucket's dtype and
-            device: the (pre-divided) gradients, then one presence flag per parameter. In an
-            in-place bucket: ``numel`` elements, a flat view of the one parameter's gradient
-            itself -- or of a pre-divided contiguous copy when the gradient is not contiguous, a
-            lazy conjugate view or overlaps another parameter's, or of zeros on a rank without it.
-        numel: number of gradient elements at the front of ``flat``.
+        flat: 1-D contiguous tensor of ``numel`` elements, the bucket's dtype and device: the
+            (pre-divided) gradients, one after the other in ``params`` order. In an in-place
+            bucket: a flat view of the one parameter's gradient itself -- or of a pre-divided
+            contiguous copy when the gradient is not contiguous, a lazy conjugate view or
+            overlaps another parameter's, or of zeros on a rank without it.
+        numel: number of gradient elements (all of ``flat``).
         params: the bucket's parameters, in the order their gradients lie in ``flat``.
         param_names: their names (``module.named_parameters()`` names, or ``params.<i>``).
         last: True for the bucket with the highest index.
-        in_place: the buffer is one parameter's gradient (no presence flags in it).
+        in_place: the buffer is one parameter's gradient.
     """
 
     bucket_index: int
@@ -100,7 +103,7 @@ class GradBucket:
         return self.flat
 
     def gradients(self) -> torch.Tensor:
-        """The gradient part of :meth:`buffer` (a view of its first ``numel`` elements)."""
+        """The gradients (a view of :meth:`buffer`'s ``numel`` elements: all of it)."""
         return self.flat[: self.numel]
 
     def parameters(self) -> tuple[torch.Tensor, ...]:
@@ -238,10 +241,15 @@ class CommHook(enum.Enum):
     ALLREDUCE = "allreduce"
     FP16_COMPRESS = "fp16_compress"
     BF16_COMPRESS = "bf16_compress"
+    POWERSGD = "powersgd"
 
     @property
     def hook(self) -> CommHookFn:
         """The hook function of this member."""
+        if self is CommHook.POWERSGD:
+            from .powersgd import powersgd_hook  # it builds on this module
+
+            return powersgd_hook
         return _BUILTIN[self]
 
     @classmethod
@@ -270,6 +278,15 @@ _BUILTIN: dict[CommHook, CommHookFn] = {
     CommHook.FP16_COMPRESS: fp16_compress_hook,
     CommHook.BF16_COMPRESS: bf16_compress_hook,
 }
+
+
+def default_hook_state(hook: CommHookFn, comm: Communicator) -> Any:
+    """The state ``hook`` gets when none is given: for the PowerSGD hook a new
+    :class:`~gradcomm.hooks.PowerSGDState` of ``comm`` with default options (it keeps per-reducer
+    memory), else ``comm``."""
+    from .powersgd import PowerSGDState, powersgd_hook
+
+    return PowerSGDState(comm) if hook is powersgd_hook else comm
 
 
 def resolve_comm_hook(hook: CommHook | str | CommHookFn) -> CommHookFn:

@@ -24,11 +24,12 @@ How one backward pass is reduced (the algorithm of torch DDP's reducer, in Pytho
    for every bucket in order, post-divides and writes the averages back, so ``optimizer.step()``
    after ``loss.backward()`` sees averaged gradients.
 
-Presence of gradients: each bucket's buffer carries one flag per parameter (1 when this rank has a
-gradient for it) that is summed with the gradients by the same collective. A parameter whose flag
-sums to 0 had no gradient on any rank and keeps ``grad=None``; no extra collective is needed. The
-in-place buckets' flags go in one small all-reduce of their own at the end of backward (a rank
-without such a gradient sends zeros in its place).
+Presence of gradients and failures: one small control tensor per backward pass (see
+:mod:`._control`), all-reduced after the last bucket, carries one flag per parameter (1 when this
+rank has a gradient for it; a rank without an in-place gradient sends zeros in its place) and the
+failure signal. A parameter whose flags sum to 0 had no gradient on any rank and keeps
+``grad=None``; a step whose backward raised on some rank raises on every rank. The comm hooks see
+only gradients.
 
 :class:`GradientReducer` is a facade over its parts: :mod:`._options` (validation and
 per-communicator defaults), :mod:`._buckets` (layout and storage), :mod:`._guard` (the model's
@@ -69,7 +70,7 @@ from ._options import (
     resolve_in_place_min_mb,
 )
 from ._sync import broadcast_tensors, check_fingerprint
-from .comm_hooks import CommHook, CommHookFn, resolve_comm_hook
+from .comm_hooks import CommHook, CommHookFn, default_hook_state, resolve_comm_hook
 
 __all__ = [
     "GradientReducer",
@@ -156,8 +157,7 @@ class GradientReducer:
         in_place_min_mb: a gradient of at least this many MiB (2**20 bytes) is not copied into a
             shared bucket: it is a bucket of its own, pre-divided and all-reduced in place in
             ``param.grad`` at the end of backward, which saves a pass
-            over its memory for one more collective (the presence flags of all such buckets go
-            in one more small all-reduce per backward pass). Such a ``param.grad`` is never a
+            over its memory for one more collective. Such a ``param.grad`` is never a
             bucket view: it stays the tensor autograd made. ``0``: every gradient;
             ``math.inf``: none. None (default): see :func:`resolve_in_place_min_mb` -- 2 MiB
             where collectives are cheap (MPI on host memory), else ``math.inf``. Ranks must
@@ -172,8 +172,11 @@ class GradientReducer:
             that runs with gradients enabled outside :meth:`no_sync` (as DDP: an evaluation
             under ``torch.no_grad()``, perhaps on rank 0 only, issues no collective).
         comm_hook: how a bucket is summed: a :class:`~gradcomm.hooks.CommHook`, its name
-            (``"allreduce"``, ``"fp16_compress"``, ``"bf16_compress"``) or a callable
-            ``hook(state, bucket) -> Work`` (see :mod:`gradcomm.hooks.comm_hooks`).
+            (``"allreduce"``, ``"fp16_compress"``, ``"bf16_compress"``, ``"powersgd"``) or a
+            callable ``hook(state, bucket) -> Work`` (see :mod:`gradcomm.hooks.comm_hooks`); its
+            state: the communicator, or for ``"powersgd"`` a new
+            :class:`~gradcomm.hooks.PowerSGDState` of default options (give one with options
+            through :meth:`register_comm_hook`).
         gradient_predivide_factor: divide gradients by this before the sum and by
             ``world_size / factor`` after it, a number from 1 to ``world_size`` (so neither step
             multiplies); None: :func:`default_predivide_factor` per bucket dtype.
@@ -265,7 +268,7 @@ class GradientReducer:
         self._watch = self._guard.watch
         if self._watch is not None:
             weakref.finalize(self, self._watch.close)
-        self._comm_hook = CommHookSlot(hook_fn, comm)
+        self._comm_hook = CommHookSlot(hook_fn, default_hook_state(hook_fn, comm))
         self._backward = BackwardPass(comm, self._buckets, self._guard, self._comm_hook, opts)
         self._handles = self._register_hooks(opts.gradient_as_bucket_view)
         logger.debug("GradientReducer: %d params in %d buckets on %s", len(self._params),
@@ -346,7 +349,8 @@ class GradientReducer:
 
         Args:
             hook: a :class:`CommHook`, its name, or a callable ``hook(state, bucket) -> Work``.
-            state: first argument of the hook; None passes the communicator.
+            state: first argument of the hook; None: the communicator (for ``"powersgd"``, a
+                new :class:`~gradcomm.hooks.PowerSGDState` of default options).
 
         Call it on every rank, before the first synchronised backward pass (as DDP requires).
         That backward checks, with one all-gather, that every rank uses the same hook (by its
@@ -366,8 +370,9 @@ class GradientReducer:
                 "backward pass (as with DDP): ranks that changed hooks later would pair different "
                 "collectives; build a new GradientReducer (after reducer.remove()) to change it"
             )
-        self._comm_hook.fn = resolve_comm_hook(hook)
-        self._comm_hook.state = self._comm if state is None else state
+        fn = resolve_comm_hook(hook)
+        self._comm_hook.fn = fn
+        self._comm_hook.state = default_hook_state(fn, self._comm) if state is None else state
 
     def synchronize(self) -> None:
         """Wait for every bucket in flight and write the averaged gradients back.
