@@ -21,19 +21,18 @@ import os
 import sys
 import traceback
 import types
-import warnings
 from typing import Any, ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
+from gpu_jobs import collective_checks, grad_check
 
 import gradcomm
 from gradcomm import (
     BackendUnavailableError,
     CollectiveTimeoutError,
     ReduceOp,
-    SlowPathWarning,
 )
 from gradcomm.comm import Launcher, LaunchInfo, available_backends, select_backend
 from gradcomm.comm.backends.cupy_nccl import CudaEventWork
@@ -406,62 +405,9 @@ def test_cupy_nccl_unique_id_travels_over_the_store(monkeypatch: pytest.MonkeyPa
 
 
 # ============================================================================ GPU: shared checks
-def _grad_check(comm: gradcomm.Communicator) -> float:
-    """Gradients after one backward equal one process's on the global batch; max rel. error."""
-    torch.manual_seed(0)
-    dev = comm.device
-    x = torch.randn(8 * comm.world_size, 12, device=dev)
-    y = torch.randn(8 * comm.world_size, 3, device=dev)
-
-    def make() -> torch.nn.Module:
-        torch.manual_seed(1)
-        return torch.nn.Sequential(
-            torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)
-        ).to(dev)
-
-    ref = make()
-    torch.nn.functional.mse_loss(ref(x), y).backward()
-    model = make()
-    reducer = gradcomm.GradientReducer(model, comm, bucket_cap_mb=0.001)  # several buckets
-    shard = slice(8 * comm.rank, 8 * (comm.rank + 1))
-    torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
-    worst = 0.0
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-        worst = max(worst, float(((p.grad - q.grad).abs() / q.grad.abs().clamp_min(1e-12)).max()))
-    del reducer
-    return worst
-
-
-def _collective_checks(comm: gradcomm.Communicator) -> None:
-    """Values of every collective on CUDA tensors, fp32/fp16/bf16, and no slow-path warning."""
-    r, n, dev = comm.rank, comm.world_size, comm.device
-    nccl_family = comm.backend in ("nccl", "cupy-nccl")
-    with warnings.catch_warnings():
-        if nccl_family:  # NCCL reduces 16-bit floats itself: no slow path, no warning
-            warnings.simplefilter("error", SlowPathWarning)
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            assert not (nccl_family and comm.supports(dtype).is_slow), comm.supports(dtype)
-            t = torch.full((1000,), float(r + 1), dtype=dtype, device=dev)
-            comm.all_reduce(t)
-            assert bool((t == n * (n + 1) / 2).all()), (dtype, t[:4])
-            t = torch.full((33,), float(r + 1), dtype=dtype, device=dev)
-            comm.all_reduce(t, "avg", async_op=True).wait()
-            assert bool((t == (n + 1) / 2).all()), (dtype, t[:4])
-    m = torch.tensor([r, -r], dtype=torch.int64, device=dev)
-    comm.all_reduce(m, ReduceOp.MAX)
-    assert m.tolist() == [n - 1, 0]
-    b = torch.arange(10, device=dev, dtype=torch.float32) * (1 if r == n - 1 else 0)
-    comm.broadcast(b, src=n - 1)
-    assert b.tolist() == list(map(float, range(10)))
-    out = torch.empty(n, 4, device=dev)
-    comm.all_gather(out, torch.full((4,), float(r), device=dev))
-    assert out[:, 0].tolist() == list(map(float, range(n)))
-    nc = torch.ones(6, 4, device=dev).t()  # non-contiguous: copy-in, copy-out
-    comm.all_reduce(nc)
-    assert bool((nc == n).all())
-    comm.barrier()
+# In tests/gpu_jobs.py, which scripts/gpu_check.sh runs without pytest.
+_grad_check = grad_check
+_collective_checks = collective_checks
 
 
 # ============================================================================ GPU: nccl
