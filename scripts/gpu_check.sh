@@ -1,228 +1,247 @@
 #!/usr/bin/env bash
-# gpu_check.sh: check gradcomm's GPU backends (nccl, cupy-nccl, mpi with CUDA buffers) on a CUDA
-# machine, in one command, in under 5 minutes on one GPU (after the packages are installed).
+# gpu_check.sh: prove gradcomm's GPU paths on a CUDA machine in one run of at most 540 s.
 #
-#   scripts/gpu_check.sh                  # make/reuse a venv, install what is missing, check
-#   scripts/gpu_check.sh --python PY      # use this interpreter as it is (nothing installed)
-#   scripts/gpu_check.sh --no-install     # use python3 as it is
+#   scripts/gpu_check.sh              # run every check (needs a GPU)
+#   scripts/gpu_check.sh --dry-run    # list the checks, their budgets and what is here; exit 0
 #
-# Environment: GPU_CHECK_VENV (default /tmp/gradcomm-gpu-venv; made with --system-site-packages,
-# so a preinstalled CUDA torch is reused), GPU_CHECK_LOGS (default a new /tmp directory).
+# Uses the machine's Python as it is (GPU_CHECK_PYTHON, default python3): no virtual environment,
+# no network. MPI comes from wheels carried in the working tree (GPU_CHECK_WHEELS, default
+# wheels/, gitignored), unpacked into a scratch folder and put on PATH/LD_LIBRARY_PATH/PYTHONPATH:
+#   pip download mpich mpi4py --only-binary=:all: --no-deps -d wheels/ \
+#       --python-version 3.X --platform manylinux_2_28_x86_64     # X: the GPU machine's Python
+# and carry "wheels" with the working tree. An mpi4py and mpiexec already installed are used as
+# they are. The digits example also needs scikit-learn and tqdm there (see docs/gpu.md).
 #
-# Checks, one summary line each (PASS / FAIL / SKIP + reason):
-#   gpu          an NVIDIA GPU is visible (else: SKIP, exit 2 -- nothing else runs)
-#   install      torch with CUDA, cupy-cuda12x, mpi4py + mpich, pytest; gradcomm editable
-#   cuda         torch sees CUDA and NCCL
-#   cpu-tests    the always-on tests of tests/test_gpu.py and tests/test_mpi_device.py
-#   gpu:<test>   each @pytest.mark.gpu test (nccl world_size 1 (2 with 2 GPUs), cupy-nccl under
-#                mpiexec (one rank per GPU: NCCL's rule), mpi with CUDA buffers on 2 ranks
-#                sharing GPU 0, the gradient manager on CUDA against one process)
-#   bench:<b>    a short `python -m gradcomm.bench` all-reduce sweep per GPU backend
-#   digits:<b>   examples/train_digits.py on CUDA (held-out accuracy in the line)
-# Exit status: 0 all PASS/SKIP, 1 a FAIL, 2 no GPU.
+# Output: one line per check, "PASS|FAIL|SKIP name (budget/used s) reason [versions]"; every log
+# in one archive, $OUT/gpu_check_logs.tar.gz (OUT defaults to ./out). Exit 1 on any FAIL (a
+# missing piece a check needs is a FAIL), else 0. Each check has a budget (its timeout) and the
+# whole run a deadline of GPU_CHECK_DEADLINE_S seconds (default 540).
 
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
-LOGS=${GPU_CHECK_LOGS:-$(mktemp -d /tmp/gradcomm-gpu-check.XXXXXX)}
-mkdir -p "$LOGS"
-VENV=${GPU_CHECK_VENV:-/tmp/gradcomm-gpu-venv}
-PY=""
-INSTALL=1
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --python) PY=$2; INSTALL=0; shift 2 ;;
-        --no-install) INSTALL=0; shift ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
-    esac
-done
+PY=${GPU_CHECK_PYTHON:-python3}
+WHEELS=${GPU_CHECK_WHEELS:-$REPO/wheels}
+OUTDIR=${OUT:-$REPO/out}
+DEADLINE_S=${GPU_CHECK_DEADLINE_S:-540}
+DRY=0
+case "${1:-}" in
+    --dry-run) DRY=1 ;;
+    "") ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
+esac
 
+# name:budget (seconds), in the order they run; the budgets add up to at most DEADLINE_S.
+CHECKS=(
+    env:30 mpi-setup:25 nccl-1:45 nccl-2-one-gpu:40 cupy-nccl-1:40 mpi-cuda-staged:45
+    mpi-cuda-aware:40 reducer-mpi-cuda:60 bench-nccl:25 bench-cupy-nccl:25 bench-mpi:45
+    digits-nccl-1:45 digits-mpi-cuda-2:60
+)
+TOTAL=0
+for c in "${CHECKS[@]}"; do TOTAL=$((TOTAL + ${c##*:})); done
+
+probe() {  # what is here: one "key: value" line each
+    echo "python: $(command -v "$PY" || echo "$PY (not found)") $("$PY" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"
+    "$PY" - <<'EOF' 2>/dev/null || echo "torch: not importable"
+import importlib.util
+import torch
+cuda = torch.cuda.is_available()
+nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "n/a"
+print(f"torch: {torch.__version__}, CUDA build {torch.version.cuda}, GPUs {torch.cuda.device_count() if cuda else 0}, NCCL {nccl}")
+for mod in ("cupy", "mpi4py", "sklearn", "tqdm", "pytest"):
+    spec = importlib.util.find_spec(mod)
+    print(f"{mod}: {'installed' if spec else 'missing'}")
+EOF
+    echo "nvidia-smi: $(nvidia-smi -L 2>/dev/null | head -n 1 || true)"
+    local bin
+    bin=$(dirname "$(command -v "$PY" || echo "$PY")")
+    echo "mpiexec: $(command -v mpiexec || { [ -x "$bin/mpiexec" ] && echo "$bin/mpiexec"; } || echo none)"
+    local found
+    found=$(ls "$WHEELS"/mpich-*.whl "$WHEELS"/mpi4py-*.whl 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')
+    echo "wheels ($WHEELS): ${found:-none}"
+}
+
+if [ "$DRY" = 1 ]; then
+    echo "gpu_check.sh --dry-run: checks and budgets (deadline $DEADLINE_S s)"
+    for c in "${CHECKS[@]}"; do printf '  %-20s %4s s\n' "${c%%:*}" "${c##*:}"; done
+    echo "environment:"
+    probe | sed 's/^/  /'
+    echo "total: $TOTAL s"
+    if [ "$TOTAL" -gt "$DEADLINE_S" ]; then echo "budgets exceed the deadline" >&2; exit 1; fi
+    exit 0
+fi
+
+LOGS=$(mktemp -d /tmp/gradcomm-gpu-check.XXXXXX)
+mkdir -p "$OUTDIR"
+START=$SECONDS
 SUMMARY=()
 FAILED=0
-START=$SECONDS
+VERSIONS=""
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1
+# An mpiexec beside the interpreter (pip's mpich in a virtual environment) counts as installed.
+PYBIN=$(dirname "$(command -v "$PY")")
+[ -x "$PYBIN/mpiexec" ] && export PATH="$PYBIN:$PATH"
 
-record() {  # record STATUS NAME REASON...
-    local status=$1 name=$2
-    shift 2
+record() {  # record STATUS NAME BUDGET USED REASON...
+    local status=$1 name=$2 budget=$3 used=$4
+    shift 4
     local line
-    line=$(printf '%-4s %-46s %s' "$status" "$name" "$*")
+    line=$(printf '%-4s %-18s (%s/%s s) %s [%s]' "$status" "$name" "$used" "$budget" "$*" "$VERSIONS")
     SUMMARY+=("$line")
-    echo "== $line"
+    echo "$line"
     if [ "$status" = FAIL ]; then FAILED=1; fi
 }
 
 finish() {
-    echo
-    echo "==== gradcomm gpu_check summary ($((SECONDS - START)) s; logs in $LOGS) ===="
-    printf '%s\n' "${SUMMARY[@]}"
-    exit "$1"
+    echo "==== gradcomm gpu_check: $((SECONDS - START)) s ====" | tee "$LOGS/summary.txt"
+    printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOGS/summary.txt"
+    tar czf "$OUTDIR/gpu_check_logs.tar.gz" -C "$LOGS" . 2>/dev/null
+    echo "logs: $OUTDIR/gpu_check_logs.tar.gz"
+    exit "$FAILED"
 }
 
-tail_of() {  # the last non-empty line of a log, for a summary line
-    grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 1 | cut -c1-160
-}
+last_line() { grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 1 | cut -c1-150; }
 
-# ---------------------------------------------------------------------------------------- gpu
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-    record SKIP gpu "no NVIDIA GPU here (nvidia-smi not found): nothing to check"
-    finish 2
-fi
-if ! nvidia-smi -L >"$LOGS/nvidia-smi.log" 2>&1 || ! grep -q '^GPU' "$LOGS/nvidia-smi.log"; then
-    record SKIP gpu "no NVIDIA GPU here (nvidia-smi lists none): nothing to check"
-    finish 2
-fi
-NGPU=$(grep -c '^GPU' "$LOGS/nvidia-smi.log")
-record PASS gpu "$NGPU GPU(s): $(head -n 1 "$LOGS/nvidia-smi.log" | cut -c1-80)"
-
-# ------------------------------------------------------------------------------------ install
-if [ "$INSTALL" = 1 ]; then
-    if [ ! -x "$VENV/bin/python" ]; then
-        python3 -m venv --system-site-packages "$VENV" >"$LOGS/venv.log" 2>&1 \
-            || { record FAIL install "venv failed: $(tail_of "$LOGS/venv.log")"; finish 1; }
+run_job() {  # run_job NAME BUDGET RANKS KIND CMD... ; KIND: job (RESULT lines), bench, digits
+    local name=$1 budget=$2 ranks=$3 kind=$4
+    shift 4
+    local left=$((DEADLINE_S - (SECONDS - START)))
+    if [ "$left" -lt 5 ]; then record FAIL "$name" "$budget" 0 "global deadline reached"; return; fi
+    [ "$budget" -gt "$left" ] && budget=$left
+    local log="$LOGS/$name.log" t0=$SECONDS rc
+    echo "\$ $*" >"$log"
+    timeout --kill-after=5 "$budget" "$@" >>"$log" 2>&1
+    rc=$?
+    local used=$((SECONDS - t0))
+    if [ $rc = 124 ] || [ $rc = 137 ]; then
+        record FAIL "$name" "$budget" "$used" "timed out (hung?): $(last_line "$log")"; return
     fi
-    PY="$VENV/bin/python"
-    pip_install() {  # pip_install LABEL PACKAGE...
-        local label=$1
-        shift
-        if ! timeout 900 "$PY" -m pip install -q "$@" >>"$LOGS/install.log" 2>&1; then
-            record FAIL "install:$label" \
-                "pip install $* failed (offline?): $(tail_of "$LOGS/install.log")"
-            return 1
-        fi
-    }
-    # torch from PyPI: the default wheel is the CUDA build. Kept if CUDA already works.
-    "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null \
-        || pip_install torch torch
-    "$PY" -c 'import cupy' 2>/dev/null || pip_install cupy cupy-cuda12x
-    "$PY" -c 'import mpi4py' 2>/dev/null || pip_install mpi mpi4py mpich
-    "$PY" -c 'import pytest, pytest_timeout, sklearn, tqdm' 2>/dev/null \
-        || pip_install test pytest pytest-timeout scikit-learn tqdm numpy
-    pip_install gradcomm --no-deps -e "$REPO" && record PASS install "venv $VENV"
-else
-    PY=${PY:-python3}
-    record SKIP install "using $PY as it is (--python/--no-install)"
-fi
+    case "$kind" in
+        job)
+            local skip ok
+            skip=$(grep -m1 -o 'RESULT [^ ]* skip: .*' "$log" | cut -d' ' -f4- | cut -c1-140)
+            ok=$(grep -c 'RESULT [^ ]* ok ' "$log")
+            if [ $rc = 0 ] && [ -n "$skip" ]; then record SKIP "$name" "$budget" "$used" "$skip"
+            elif [ $rc = 0 ] && [ "$ok" = "$ranks" ]; then
+                record PASS "$name" "$budget" "$used" \
+                    "$(grep -m1 -o 'RESULT [^ ]* ok .*' "$log" | cut -d' ' -f4- | cut -c1-140)"
+            else record FAIL "$name" "$budget" "$used" "rc=$rc, $ok/$ranks ok: $(last_line "$log")"; fi ;;
+        bench)
+            local verdict
+            verdict=$(grep -m1 -o 'out of bounds values: .*' "$log")
+            if [ $rc = 0 ] && [ "$verdict" = "out of bounds values: 0 OK" ]; then
+                record PASS "$name" "$budget" "$used" "wrong results: 0; $(grep -E '^[[:space:]]*[0-9]' "$log" | tail -n 1 | tr -s ' ' | cut -c1-90)"
+            else record FAIL "$name" "$budget" "$used" "rc=$rc ${verdict:-no verdict}: $(last_line "$log")"; fi ;;
+        digits)
+            local acc
+            acc=$(grep -m1 -o 'final held-out accuracy: [0-9.]*' "$log" | awk '{print $NF}')
+            if [ $rc = 0 ] && [ -n "$acc" ] && awk -v a="$acc" 'BEGIN{exit !(a >= 0.90)}'; then
+                record PASS "$name" "$budget" "$used" "held-out accuracy $acc >= 0.90"
+            else record FAIL "$name" "$budget" "$used" "rc=$rc accuracy ${acc:-none} (need 0.90): $(last_line "$log")"; fi ;;
+    esac
+}
 
-# --------------------------------------------------------------------------------------- cuda
-if ! "$PY" - >"$LOGS/cuda.log" 2>&1 <<'EOF'
-import torch, torch.distributed as dist
+budget_of() { local c; for c in "${CHECKS[@]}"; do [ "${c%%:*}" = "$1" ] && echo "${c##*:}"; done; }
+
+# ------------------------------------------------------------------------------------- env
+t0=$SECONDS
+if timeout "$(budget_of env)" "$PY" - >"$LOGS/env.log" 2>&1 <<'EOF'
+import torch
 assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
-assert dist.is_nccl_available(), "this torch has no NCCL"
 nccl = ".".join(map(str, torch.cuda.nccl.version()))
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, "
-      f"{torch.cuda.device_count()} device(s): {torch.cuda.get_device_name(0)}")
+try:
+    import cupy
+    cp = cupy.__version__
+except ImportError:
+    cp = "missing"
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, CuPy {cp}; "
+      f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
 EOF
 then
-    record FAIL cuda "$(tail_of "$LOGS/cuda.log")"
-    finish 1
-fi
-record PASS cuda "$(tail_of "$LOGS/cuda.log")"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-PYBIN=$(dirname "$PY")
-MPIEXEC=$(command -v "$PYBIN/mpiexec" || command -v mpiexec || true)
-MPIRUN=("$MPIEXEC")
-if [ -n "$MPIEXEC" ] && "$MPIEXEC" --version 2>/dev/null | grep -q 'Open MPI\|OpenRTE'; then
-    MPIRUN+=(--allow-run-as-root --oversubscribe)
-fi
-
-# -------------------------------------------------------------------------------------- tests
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m 'not gpu' \
-    tests/test_gpu.py tests/test_mpi_device.py >"$LOGS/cpu-tests.log" 2>&1
-rc=$?
-if [ $rc = 0 ]; then record PASS cpu-tests "$(tail_of "$LOGS/cpu-tests.log")"
-else record FAIL cpu-tests "rc=$rc: $(tail_of "$LOGS/cpu-tests.log")"; fi
-
-timeout 300 "$PY" -m pytest -v -p no:cacheprovider -rs -m gpu --junitxml="$LOGS/gpu-tests.xml" \
-    tests/test_gpu.py >"$LOGS/gpu-tests.log" 2>&1
-rc=$?
-if [ ! -s "$LOGS/gpu-tests.xml" ]; then
-    record FAIL gpu-tests "rc=$rc, no report: $(tail_of "$LOGS/gpu-tests.log")"
+    VERSIONS=$(last_line "$LOGS/env.log" | cut -d';' -f1)
+    record PASS env "$(budget_of env)" $((SECONDS - t0)) "$(last_line "$LOGS/env.log" | cut -d';' -f2-)"
 else
-    while IFS= read -r line; do
-        # shellcheck disable=SC2086
-        record ${line%%|*} "$(echo "$line" | cut -d'|' -f2)" "$(echo "$line" | cut -d'|' -f3-)"
-    done < <("$PY" - "$LOGS/gpu-tests.xml" <<'EOF'
-import sys
-import xml.etree.ElementTree as ET
+    record FAIL env "$(budget_of env)" $((SECONDS - t0)) "$(last_line "$LOGS/env.log")"
+    finish
+fi
 
-for case in ET.parse(sys.argv[1]).iter("testcase"):
-    status, why = "PASS", "%.1f s" % float(case.get("time", 0))
-    for tag, label in (("failure", "FAIL"), ("error", "FAIL"), ("skipped", "SKIP")):
-        node = case.find(tag)
-        if node is not None:
-            message = (node.get("message") or tag).strip().splitlines() or [tag]
-            status, why = label, message[0][:150]
-            break
-    print("%s|gpu:%s|%s" % (status, case.get("name"), why))
+# ------------------------------------------------------------------------------- mpi-setup
+t0=$SECONDS
+MPI_OK=0
+if "$PY" -c 'import mpi4py' 2>/dev/null && command -v mpiexec >/dev/null; then
+    MPI_FROM="installed"
+else
+    MPI_DIR="$LOGS/mpi"
+    TAG=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+    MPICH_WHL=$(ls "$WHEELS"/mpich-*.whl 2>/dev/null | head -n 1)
+    MPI4PY_WHL=$(ls "$WHEELS"/mpi4py-*-"$TAG"-*.whl "$WHEELS"/mpi4py-*-abi3-*.whl 2>/dev/null | head -n 1)
+    MPI_FROM="wheels $(basename "${MPICH_WHL:-none}") $(basename "${MPI4PY_WHL:-none}")"
+    if [ -n "$MPICH_WHL" ] && [ -n "$MPI4PY_WHL" ]; then
+        # A wheel is a zip: *.data/data/{bin,lib} go under MPI_DIR, the rest under MPI_DIR/site.
+        "$PY" - "$MPI_DIR" "$MPICH_WHL" "$MPI4PY_WHL" >"$LOGS/mpi-unpack.log" 2>&1 <<'EOF'
+import os, pathlib, sys, zipfile
+dest = pathlib.Path(sys.argv[1])
+for whl in sys.argv[2:]:
+    with zipfile.ZipFile(whl) as z:
+        for info in z.infolist():
+            parts = info.filename.split("/")
+            if parts[0].endswith(".data"):
+                if len(parts) < 3 or parts[1] != "data":
+                    continue
+                target = dest.joinpath(*parts[2:])
+            else:
+                target = dest.joinpath("site", *parts)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(info))
+            os.chmod(target, ((info.external_attr >> 16) & 0o777) or 0o644)
 EOF
-)
+        export PATH="$MPI_DIR/bin:$PATH" LD_LIBRARY_PATH="$MPI_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        export PYTHONPATH="$PYTHONPATH:$MPI_DIR/site"
+    fi
 fi
-
-# -------------------------------------------------------------------------------------- bench
-BENCH_ARGS=(-b 1K -e 16M -f 4 -n 10 -w 3 -r 1 --timeout 60)
-if ! "$PY" -m gradcomm.bench --help 2>/dev/null | grep -q -- '--device'; then
-    for b in nccl cupy-nccl mpi; do
-        record SKIP "bench:$b" "gradcomm.bench has no --device option: its buffers are on the CPU"
-    done
+if timeout "$(budget_of mpi-setup)" mpiexec -n 2 "$PY" -c '
+from mpi4py import MPI
+from gradcomm.comm.backends.mpi_device import cuda_aware_mpi
+if MPI.COMM_WORLD.Get_rank() == 0:
+    aware, why = cuda_aware_mpi()
+    print("MPI", MPI.Get_library_version().split(chr(10))[0].strip()[:40], "| cuda-aware", aware, "|", why[:80])
+' >"$LOGS/mpi-setup.log" 2>&1; then
+    MPI_OK=1
+    VERSIONS="$VERSIONS, $(grep -m1 '^MPI' "$LOGS/mpi-setup.log" | cut -d'|' -f1-2 | tr -s ' ')"
+    record PASS mpi-setup "$(budget_of mpi-setup)" $((SECONDS - t0)) "$MPI_FROM; $(grep -m1 '^MPI' "$LOGS/mpi-setup.log" | cut -d'|' -f3)"
 else
-    run_bench() {  # run_bench NAME LAUNCHER...
-        local name=$1
-        shift
-        if timeout 120 "$@" -m gradcomm.bench --backend "$name" --device cuda "${BENCH_ARGS[@]}" \
-                >"$LOGS/bench-$name.log" 2>&1; then
-            local last
-            last=$(grep -E '^[[:space:]]*[0-9]' "$LOGS/bench-$name.log" | tail -n 1 | tr -s ' ')
-            record PASS "bench:$name" "largest size: ${last:0:110}"
-        else
-            record FAIL "bench:$name" "$(tail_of "$LOGS/bench-$name.log")"
-        fi
-    }
-    if [ "$NGPU" -ge 2 ]; then
-        run_bench nccl "$PY" -m torch.distributed.run --nproc-per-node 2
-        if [ -n "$MPIEXEC" ]; then run_bench cupy-nccl "${MPIRUN[@]}" -n 2 "$PY"; fi
-    else
-        for b in nccl cupy-nccl; do
-            record SKIP "bench:$b" "one GPU: NCCL takes one rank per GPU; 1 rank sends nothing"
-        done
-    fi
-    if [ -n "$MPIEXEC" ]; then
-        run_bench mpi "${MPIRUN[@]}" -n 2 "$PY"
-    else
-        record SKIP bench:mpi "no mpiexec"
-    fi
+    record FAIL mpi-setup "$(budget_of mpi-setup)" $((SECONDS - t0)) "no working MPI ($MPI_FROM): $(last_line "$LOGS/mpi-setup.log")"
 fi
 
-# ------------------------------------------------------------------------------------- digits
-EX=examples/train_digits.py
-DEVICE_OPT=()
-if "$PY" "$EX" --help 2>/dev/null | grep -q -- '--device'; then DEVICE_OPT=(--device cuda); fi
-run_digits() {  # run_digits LABEL BACKEND LAUNCHER...
-    local label=$1 backend=$2
+MPIRUN=(mpiexec -n 2)
+if mpiexec --version 2>/dev/null | grep -q 'Open MPI'; then MPIRUN+=(--oversubscribe --allow-run-as-root); fi
+mpi_job() {  # mpi_job NAME KIND CMD... : FAIL at once without MPI (a missing piece)
+    local name=$1 kind=$2
     shift 2
-    if timeout 150 "$@" "$EX" --backend "$backend" ${DEVICE_OPT[@]+"${DEVICE_OPT[@]}"} --epochs 10 \
-            >"$LOGS/digits-$label.log" 2>&1; then
-        local acc
-        acc=$(grep -i 'accuracy' "$LOGS/digits-$label.log" | tail -n 1)
-        record PASS "digits:$label" "${acc:0:110}"
-    else
-        record FAIL "digits:$label" "$(tail_of "$LOGS/digits-$label.log")"
-    fi
+    if [ "$MPI_OK" != 1 ]; then record FAIL "$name" "$(budget_of "$name")" 0 "needs MPI (see mpi-setup)"; return; fi
+    run_job "$name" "$(budget_of "$name")" 2 "$kind" "${MPIRUN[@]}" "$@"
 }
-run_digits nccl-1 nccl "$PY"
-if [ "$NGPU" -ge 2 ]; then
-    run_digits nccl-torchrun-2 nccl "$PY" -m torch.distributed.run --nproc-per-node 2
-    if [ -n "$MPIEXEC" ]; then
-        run_digits cupy-nccl-mpiexec-2 cupy-nccl "${MPIRUN[@]}" -n 2 "$PY"
-    fi
-else
-    run_digits cupy-nccl-1 cupy-nccl "$PY"
-fi
-if [ ${#DEVICE_OPT[@]} -eq 0 ]; then
-    record SKIP digits:mpi-cuda "train_digits.py has no --device option: mpi would use the CPU"
-elif [ -n "$MPIEXEC" ]; then
-    run_digits mpi-cuda-mpiexec-2 mpi "${MPIRUN[@]}" -n 2 "$PY"
-fi
+BENCH=(-m gradcomm.bench --device cuda -b 1K -e 4M -f 16 -n 5 -w 2 -r 1 --timeout 30 --no-raw)
+JOB=tests/gpu_jobs.py
 
-finish "$FAILED"
+# ---------------------------------------------------------------------------------- checks
+run_job nccl-1 "$(budget_of nccl-1)" 1 job "$PY" "$JOB" nccl-1
+CUDA_VISIBLE_DEVICES=0 run_job nccl-2-one-gpu "$(budget_of nccl-2-one-gpu)" 2 job \
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 "$JOB" nccl-2-one-gpu
+run_job cupy-nccl-1 "$(budget_of cupy-nccl-1)" 1 job "$PY" "$JOB" cupy-nccl-1
+GRADCOMM_MPI_CUDA_AWARE=0 mpi_job mpi-cuda-staged job "$PY" "$JOB" mpi-cuda
+mpi_job mpi-cuda-aware job "$PY" "$JOB" mpi-cuda-aware
+mpi_job reducer-mpi-cuda job "$PY" "$JOB" reducer-mpi-cuda
+run_job bench-nccl "$(budget_of bench-nccl)" 1 bench "$PY" "${BENCH[@]}" --backend nccl
+run_job bench-cupy-nccl "$(budget_of bench-cupy-nccl)" 1 bench "$PY" "${BENCH[@]}" --backend cupy-nccl
+mpi_job bench-mpi bench "$PY" "${BENCH[@]}" --backend mpi
+run_job digits-nccl-1 "$(budget_of digits-nccl-1)" 1 digits \
+    "$PY" examples/train_digits.py --backend nccl --device cuda --epochs 10
+mpi_job digits-mpi-cuda-2 digits "$PY" examples/train_digits.py --backend mpi --device cuda --epochs 10
+
+finish

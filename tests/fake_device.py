@@ -60,12 +60,15 @@ class FakeDeviceTensor(torch.Tensor):
     _data: torch.Tensor
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor) -> FakeDeviceTensor:
+    def __new__(cls, data: torch.Tensor, device: torch.device | str = FAKE) -> FakeDeviceTensor:
+        """``device``: what the tensor reports. Default :data:`FAKE`; ``cuda:N`` works too on a
+        CPU build for code without autograd and without CUDA factory calls (fake CUDA modules,
+        tests/fake_cuda.py)."""
         if data.device.type != "cpu" or isinstance(data, FakeDeviceTensor):
             raise TypeError(f"FakeDeviceTensor wraps a plain CPU tensor, got {data.device}")
         out = torch.Tensor._make_wrapper_subclass(
             cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
-            dtype=data.dtype, device=FAKE, requires_grad=data.requires_grad,
+            dtype=data.dtype, device=torch.device(device), requires_grad=data.requires_grad,
         )
         out._data = data
         return out
@@ -74,6 +77,12 @@ class FakeDeviceTensor(torch.Tensor):
         # The reducer and the communicator compare addresses (aliasing checks); a wrapper has no
         # storage of its own, so report the CPU data's, as a CUDA tensor reports its own memory.
         return self._data.data_ptr()
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> FakeDeviceTensor:  # type: ignore[override]
+        # Tensor.copy_'s Python binding takes a device guard first, which a CPU build has only
+        # for cpu and meta; the dispatcher's copy_ is the same operation without it.
+        torch.ops.aten.copy_.default(self, src, non_blocking)
+        return self
 
     def tolist(self) -> Any:  # type: ignore[override]
         # torch refuses tolist() on subclasses; a CUDA tensor copies to the host and converts.
@@ -101,12 +110,14 @@ def _dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     to_fake_dev = _is_fake_device(kwargs.get("device"))
     if not fakes and not to_fake_dev:
         return func(*args, **kwargs)
+    device = fakes[0].device if fakes else FAKE
     if func not in _CROSS_DEVICE_OK:
         mixed = [t for t in plain if t.dim() > 0]  # CUDA takes 0-dim CPU tensors as scalars
+        mixed += [t for t in fakes if t.device != device]
         if fakes and mixed:
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, "
-                f"{FAKE} and {mixed[0].device}! (fake device, in {func})"
+                f"{device} and {mixed[0].device}! (fake device, in {func})"
             )
     originals = {id(t._data): t for t in fakes}
     unwrapped_args = tree_map(lambda x: x._data if isinstance(x, FakeDeviceTensor) else x, args)
@@ -123,7 +134,7 @@ def _dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             return x
         if id(x) in originals:  # an in-place op or out=: the caller's own tensor
             return originals[id(x)]
-        return FakeDeviceTensor(x) if out_on_fake else x
+        return FakeDeviceTensor(x, device) if out_on_fake else x
 
     return tree_map(wrap, result)
 

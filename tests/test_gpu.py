@@ -21,19 +21,18 @@ import os
 import sys
 import traceback
 import types
-import warnings
 from typing import Any, ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
+from gpu_jobs import collective_checks, grad_check
 
 import gradcomm
 from gradcomm import (
     BackendUnavailableError,
     CollectiveTimeoutError,
     ReduceOp,
-    SlowPathWarning,
 )
 from gradcomm.comm import Launcher, LaunchInfo, available_backends, select_backend
 from gradcomm.comm.backends.cupy_nccl import CudaEventWork
@@ -79,7 +78,7 @@ def test_init_nccl_without_nccl_in_torch(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_init_cupy_nccl_without_cupy_names_pip_command(no_cupy: None) -> None:
-    with pytest.raises(ImportError, match="pip install cupy-cuda12x"):
+    with pytest.raises(ImportError, match=r"pip install \"cupy-cuda12x\[ctk\]\""):
         gradcomm.init("cupy-nccl", rank=0, world_size=1)
 
 
@@ -98,7 +97,7 @@ def test_available_backends_say_why_gpu_backends_are_unavailable(
     assert not status["nccl"].available
     assert "torch.cuda.is_available() is False" in status["nccl"].reason
     assert not status["cupy-nccl"].available
-    assert "pip install cupy-cuda12x" in status["cupy-nccl"].reason
+    assert 'pip install "cupy-cuda12x[ctk]"' in status["cupy-nccl"].reason
     assert status["gloo"].available
 
 
@@ -289,10 +288,17 @@ class FakeCupy:
         log, outer = FakeCupy.log, self
 
         class Stream:
-            cuda_stream = 1234
+            def __init__(self, handle: int = 1234) -> None:
+                self.cuda_stream = handle
 
             def synchronize(self) -> None:
-                log.append(("synchronize",))
+                log.append(("synchronize", self.cuda_stream))
+
+            def wait_stream(self, other: Stream) -> None:
+                log.append(("wait_stream", self.cuda_stream, other.cuda_stream))
+
+            def wait_event(self, event: Event) -> None:
+                log.append(("wait_event", self.cuda_stream))
 
         class Event:
             def record(self, stream: Stream) -> None:
@@ -306,10 +312,13 @@ class FakeCupy:
         monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: Stream())
         monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda dev=None: Stream(5678))  # the side one
         monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda t, stream: log.append(("record_stream", stream.cuda_stream)))
 
 
-def test_cupy_nccl_calls_nccl_with_pointers_counts_and_the_torch_stream(
+def test_cupy_nccl_calls_nccl_with_pointers_counts_and_its_side_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake = FakeCupy(monkeypatch, nccl_version=22105)
@@ -322,19 +331,22 @@ def test_cupy_nccl_calls_nccl_with_pointers_counts_and_the_torch_stream(
     work = comm._all_reduce(t, ReduceOp.AVG, "all_reduce #0")
     work.wait()
     assert isinstance(work, CudaEventWork) and work.is_completed()
-    assert fake.log[1:] == [("allReduce", t.data_ptr(), t.data_ptr(), 6, 9, 4, 1234),
-                            ("record", 1234)]  # bf16 = 9, ncclAvg = 4, event after the call
+    # bf16 = 9, ncclAvg = 4, on the side stream (5678) after it waited for the current (1234)
+    assert fake.log[1:] == [("wait_stream", 5678, 1234),
+                            ("allReduce", t.data_ptr(), t.data_ptr(), 6, 9, 4, 5678),
+                            ("record_stream", 5678), ("record", 5678), ("wait_event", 1234)]
     del fake.log[1:]
     b = torch.zeros(5, dtype=torch.float64)
     comm._broadcast(b, 0, "broadcast #1").wait()
-    assert fake.log[1] == ("broadcast", b.data_ptr(), b.data_ptr(), 40, 1, 0, 1234)  # bytes
+    assert fake.log[2] == ("broadcast", b.data_ptr(), b.data_ptr(), 40, 1, 0, 5678)  # bytes
+    del fake.log[1:]
     inp, out = torch.arange(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
     comm._all_gather(out, inp, "all_gather #2").wait()
-    assert out.tolist() == [0, 1, 2] and fake.log[3][3:5] == (12, 1)
+    assert out.tolist() == [0, 1, 2] and fake.log[2][3:6] == (12, 1, 5678)
     assert not comm.supports(torch.bool).is_supported
     assert not comm.supports(torch.float32, "cpu").is_supported
     comm.close()
-    assert fake.log[-2:] == [("synchronize",), ("destroy",)]
+    assert fake.log[-2:] == [("synchronize", 5678), ("destroy",)]
 
 
 def test_cupy_nccl_old_nccl_has_no_bf16_and_emulates_avg(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -343,9 +355,8 @@ def test_cupy_nccl_old_nccl_has_no_bf16_and_emulates_avg(monkeypatch: pytest.Mon
 
     comm = CupyNCCLCommunicator(_launch(), timeout=5.0)
     assert not comm.supports(torch.bfloat16).is_supported
-    t = torch.full((4,), 3.0)
-    comm._all_reduce(t, ReduceOp.AVG, "avg").wait()
-    assert fake.log[1][5] == 0 and t.tolist() == [3.0] * 4  # SUM, then divided by world_size 1
+    # No ncclAvg: the base class emulates AVG (values: tests/test_gpu_paths.py).
+    assert ReduceOp.AVG not in comm.native_reduce_ops and fake.log[0][0] == "init"
 
 
 def test_cupy_nccl_timeout_aborts_and_disables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -394,62 +405,9 @@ def test_cupy_nccl_unique_id_travels_over_the_store(monkeypatch: pytest.MonkeyPa
 
 
 # ============================================================================ GPU: shared checks
-def _grad_check(comm: gradcomm.Communicator) -> float:
-    """Gradients after one backward equal one process's on the global batch; max rel. error."""
-    torch.manual_seed(0)
-    dev = comm.device
-    x = torch.randn(8 * comm.world_size, 12, device=dev)
-    y = torch.randn(8 * comm.world_size, 3, device=dev)
-
-    def make() -> torch.nn.Module:
-        torch.manual_seed(1)
-        return torch.nn.Sequential(
-            torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)
-        ).to(dev)
-
-    ref = make()
-    torch.nn.functional.mse_loss(ref(x), y).backward()
-    model = make()
-    reducer = gradcomm.GradientReducer(model, comm, bucket_cap_mb=0.001)  # several buckets
-    shard = slice(8 * comm.rank, 8 * (comm.rank + 1))
-    torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
-    worst = 0.0
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-        worst = max(worst, float(((p.grad - q.grad).abs() / q.grad.abs().clamp_min(1e-12)).max()))
-    del reducer
-    return worst
-
-
-def _collective_checks(comm: gradcomm.Communicator) -> None:
-    """Values of every collective on CUDA tensors, fp32/fp16/bf16, and no slow-path warning."""
-    r, n, dev = comm.rank, comm.world_size, comm.device
-    nccl_family = comm.backend in ("nccl", "cupy-nccl")
-    with warnings.catch_warnings():
-        if nccl_family:  # NCCL reduces 16-bit floats itself: no slow path, no warning
-            warnings.simplefilter("error", SlowPathWarning)
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            assert not (nccl_family and comm.supports(dtype).is_slow), comm.supports(dtype)
-            t = torch.full((1000,), float(r + 1), dtype=dtype, device=dev)
-            comm.all_reduce(t)
-            assert bool((t == n * (n + 1) / 2).all()), (dtype, t[:4])
-            t = torch.full((33,), float(r + 1), dtype=dtype, device=dev)
-            comm.all_reduce(t, "avg", async_op=True).wait()
-            assert bool((t == (n + 1) / 2).all()), (dtype, t[:4])
-    m = torch.tensor([r, -r], dtype=torch.int64, device=dev)
-    comm.all_reduce(m, ReduceOp.MAX)
-    assert m.tolist() == [n - 1, 0]
-    b = torch.arange(10, device=dev, dtype=torch.float32) * (1 if r == n - 1 else 0)
-    comm.broadcast(b, src=n - 1)
-    assert b.tolist() == list(map(float, range(10)))
-    out = torch.empty(n, 4, device=dev)
-    comm.all_gather(out, torch.full((4,), float(r), device=dev))
-    assert out[:, 0].tolist() == list(map(float, range(n)))
-    nc = torch.ones(6, 4, device=dev).t()  # non-contiguous: copy-in, copy-out
-    comm.all_reduce(nc)
-    assert bool((nc == n).all())
-    comm.barrier()
+# In tests/gpu_jobs.py, which scripts/gpu_check.sh runs without pytest.
+_grad_check = grad_check
+_collective_checks = collective_checks
 
 
 # ============================================================================ GPU: nccl
@@ -494,7 +452,7 @@ def test_nccl_two_processes() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cupy_nccl_world_size_1_drives_nccl() -> None:
-    cupy = pytest.importorskip("cupy", reason="cupy is not installed (pip install cupy-cuda12x)")
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
     from gradcomm.comm.backends.cupy_nccl import as_tensor
 
     with gradcomm.init("cupy-nccl", rank=0, world_size=1, timeout=60) as comm:
@@ -519,7 +477,7 @@ def test_cupy_nccl_world_size_1_drives_nccl() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cupy_nccl_under_mpiexec_without_master_addr() -> None:
-    pytest.importorskip("cupy", reason="cupy is not installed (pip install cupy-cuda12x)")
+    pytest.importorskip("cupy", reason="cupy is not installed")
     from dist_utils import require_mpi, run_mpi
 
     require_mpi()

@@ -215,7 +215,7 @@ def test_default_synchronize_and_conversion_on_cpu(fresh_warning: None) -> None:
     try:
         import cupy  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
     except ImportError:
-        with pytest.raises(ImportError, match="pip install cupy-cuda12x"):
+        with pytest.raises(ImportError, match=r"pip install \"cupy-cuda12x\[ctk\]\""):
             aware.prepare(torch.ones(3))
     else:
         pytest.skip("cupy is installed: its CPU-side error path cannot be reached here")

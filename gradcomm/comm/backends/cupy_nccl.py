@@ -7,17 +7,23 @@ store; otherwise (torchrun, explicit ranks) over the store of
 :func:`gradcomm.comm.rendezvous.create_store`. MPI carries only the id: the data moves by NCCL.
 
 Capability table: the nccl backend's (:mod:`gradcomm.comm.backends.nccl`): float16, bfloat16,
-float32, float64, int8, uint8, int32, int64 native on CUDA; SUM, AVG (``ncclAvg``; with NCCL older
-than 2.10, SUM then a division on the same stream), MIN, MAX, PRODUCT native. Broadcast and
-all_gather move raw bytes, so they take any dtype.
+float32, float64, int8, uint8, int32, int64 native on CUDA; SUM, AVG (``ncclAvg``), MIN, MAX,
+PRODUCT native. With NCCL older than 2.10 (no ``ncclAvg``, no bfloat16) AVG takes the base
+class's emulation, as on every backend without a native average: floating-point only (an integer
+tensor raises TypeError before any collective), float16 summed in float32 and rounded once.
+Broadcast and all_gather move raw bytes, so they take any dtype.
 
-Streams: every NCCL call is enqueued on torch's current stream of the communicator's device
-(``torch.cuda.current_stream(device).cuda_stream`` is passed to NCCL), so it is ordered after the
-kernels that produced the tensor and before those that use the result, with no extra
-synchronisation. The :class:`~gradcomm.comm.Work` of a collective is a CUDA event recorded after the
-call: ``is_completed()`` asks the event, ``wait()`` polls it (and NCCL's asynchronous error state)
-until done or until the timeout, after which the NCCL communicator is aborted (a kernel waiting for
-a dead peer never returns) and the communicator cannot be used again.
+Streams, as ``ProcessGroupNCCL`` orders them: every communicator has a CUDA stream of its own
+(the side stream), so NCCL runs while the compute stream goes on with backward. At launch the side
+stream waits for the current stream (NCCL reads what the kernels before it wrote), the collective
+is enqueued on the side stream, every tensor it reads or writes is marked with
+``Tensor.record_stream(side)`` (the caching allocator then does not hand its memory to another
+tensor until the side stream is past it, even if the caller frees it), and a CUDA event is
+recorded on the side stream. The :class:`~gradcomm.comm.Work` is that event: ``is_completed()``
+asks it, ``wait()`` polls it (and NCCL's asynchronous error state) until done or until the
+timeout, then makes the current stream wait for it, so later kernels read the result. After a
+timeout the NCCL communicator is aborted (a kernel waiting for a dead peer never returns) and the
+communicator cannot be used again: every later collective raises RuntimeError.
 
 Torch tensors go to NCCL by pointer (``tensor.data_ptr()``): zero-copy. CuPy arrays are reduced by
 viewing them as torch tensors, also zero-copy and stream-safe through DLPack::
@@ -31,6 +37,7 @@ ranks of one communicator on the same GPU ("Duplicate GPU detected").
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import pickle
@@ -41,6 +48,7 @@ from typing import Any
 import torch
 
 from ..communicator import Communicator
+from ..cuda_packages import cupy_pip, nccl_pip
 from ..errors import BackendUnavailableError
 from ..launcher import LaunchInfo
 from ..rendezvous import create_store
@@ -52,7 +60,6 @@ __all__ = ["CudaEventWork", "CupyNCCLCommunicator", "as_tensor", "cupy_nccl_unav
 
 log = logging.getLogger("gradcomm.comm.cupy_nccl")
 
-_PIP_CUPY = "pip install cupy-cuda12x"
 # nccl.h values, stable across NCCL 2.x (CuPy does not export every one in every version).
 _NCCL_AVG = 4  # ncclAvg, NCCL >= 2.10
 _NCCL_BFLOAT16 = 9  # ncclBfloat16, NCCL >= 2.10
@@ -63,12 +70,13 @@ def cupy_nccl_unavailable() -> Exception | None:
     """Why the cupy-nccl backend cannot run here, or None; imports cupy only when CUDA is there.
 
     Returns:
-        ImportError naming ``pip install cupy-cuda12x`` when cupy is missing;
+        ImportError naming the pip command of :func:`~gradcomm.comm.cuda_packages.cupy_pip` (the
+        CuPy of torch's CUDA major) when cupy is missing;
         BackendUnavailableError when there is no CUDA device or CuPy finds no NCCL library.
     """
     if importlib.util.find_spec("cupy") is None:
         extra = "" if torch.cuda.is_available() else " (it also needs a CUDA device; none here)"
-        return ImportError(f"the cupy-nccl backend needs the cupy package: {_PIP_CUPY}{extra}")
+        return ImportError(f"the cupy-nccl backend needs the cupy package: {cupy_pip()}{extra}")
     if not torch.cuda.is_available():
         return BackendUnavailableError(
             "cupy-nccl backend needs a CUDA device: torch.cuda.is_available() is False"
@@ -77,12 +85,11 @@ def cupy_nccl_unavailable() -> Exception | None:
         from cupy.cuda import nccl  # type: ignore[import-not-found, unused-ignore]
     except ImportError as exc:
         return BackendUnavailableError(
-            f"CuPy cannot load NCCL ({exc}): pip install nvidia-nccl-cu12"
+            f"CuPy cannot load NCCL ({exc}): {nccl_pip()}"
         )
     if not getattr(nccl, "available", False):
         return BackendUnavailableError(
-            "CuPy found no NCCL library (cupy.cuda.nccl.available is False): "
-            "pip install nvidia-nccl-cu12"
+            f"CuPy found no NCCL library (cupy.cuda.nccl.available is False): {nccl_pip()}"
         )
     return None
 
@@ -110,6 +117,8 @@ class CudaEventWork(Work):
         timeout: default timeout of :meth:`wait`, seconds.
         check_error: called while polling; raises RuntimeError on an asynchronous NCCL error.
         on_timeout: called once when :meth:`wait` times out, before it raises.
+        on_complete: called once when the event is found complete, before the callbacks run
+            (makes the current stream wait for the event).
     """
 
     #: Polling interval bounds of :meth:`wait`, seconds (doubling from the first to the second).
@@ -123,14 +132,24 @@ class CudaEventWork(Work):
         timeout: float | None,
         check_error: Callable[[], None],
         on_timeout: Callable[[], None],
+        on_complete: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(description, timeout)
         self._event = event
         self._check_error = check_error
         self._on_cuda_timeout = on_timeout
+        self._on_complete = on_complete
+
+    _aborted = False
 
     def _test(self) -> bool:
+        if self._aborted:  # the event will never be reached: fail, do not stay "pending"
+            raise RuntimeError(f"{self.description} timed out and NCCL was aborted; make a new "
+                               "communicator")
         if bool(self._event.query()):
+            if self._on_complete is not None:
+                self._on_complete()
+                self._on_complete = None
             return True
         self._check_error()
         return False
@@ -140,6 +159,7 @@ class CudaEventWork(Work):
         delay = self.POLL_MIN_S
         while not self._test():
             if deadline is not None and time.monotonic() >= deadline:
+                self._aborted = True
                 self._on_cuda_timeout()
                 raise TimeoutError(f"{self.description}: CUDA event not reached")
             time.sleep(delay)
@@ -158,7 +178,7 @@ class CupyNCCLCommunicator(Communicator):
     although the base class issues no collective at world_size 1.
 
     Raises:
-        ImportError: cupy missing (the message has ``pip install cupy-cuda12x``).
+        ImportError: cupy missing (the message names the CuPy of torch's CUDA major).
         BackendUnavailableError: no CUDA device, no NCCL for CuPy, or more ranks than GPUs on
             this host.
         ValueError: ``device`` is not a CUDA device of this host.
@@ -166,7 +186,7 @@ class CupyNCCLCommunicator(Communicator):
     """
 
     backend = "cupy-nccl"
-    native_reduce_ops = NCCL_REDUCE_OPS  # AVG on NCCL < 2.10: SUM, then a division
+    native_reduce_ops = NCCL_REDUCE_OPS  # without AVG on NCCL < 2.10 (set per instance)
 
     def __init__(
         self,
@@ -203,6 +223,10 @@ class CupyNCCLCommunicator(Communicator):
         }
         if self.nccl_version >= _NCCL_2_10:
             self._ops[ReduceOp.AVG] = getattr(nccl, "NCCL_AVG", _NCCL_AVG)
+        else:  # no ncclAvg: the base class's AVG (floats only; 16-bit summed in float32)
+            self.native_reduce_ops = NCCL_REDUCE_OPS - {ReduceOp.AVG}  # type: ignore[misc]
+        # The side stream NCCL runs on (see the module docstring).
+        self._stream = torch.cuda.Stream(dev)
         uid = self._exchange_unique_id(launch, timeout)
         with cupy.cuda.Device(dev.index):
             self._comm: Any = nccl.NcclCommunicator(launch.world_size, uid, launch.rank)
@@ -279,48 +303,65 @@ class CupyNCCLCommunicator(Communicator):
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
-        comm = self._live()
-        stream = torch.cuda.current_stream(self.device)
-        nccl_op = self._ops.get(op, self._ops[ReduceOp.SUM])  # AVG on NCCL < 2.10: SUM + div
-        ptr = tensor.data_ptr()
-        with torch.cuda.device(self.device):
-            comm.allReduce(
-                ptr, ptr, tensor.numel(), self._dtypes[tensor.dtype], nccl_op, stream.cuda_stream
-            )
-            if op not in self._ops:
-                tensor.div_(self.world_size)
-        return self._record(stream, description)
+        ptr, count = tensor.data_ptr(), tensor.numel()
+        dtype, nccl_op = self._dtypes[tensor.dtype], self._ops[op]
+        return self._launch(
+            (tensor,), lambda comm, s: comm.allReduce(ptr, ptr, count, dtype, nccl_op, s),
+            description,
+        )
 
     def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
-        comm = self._live()
-        stream = torch.cuda.current_stream(self.device)
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        with torch.cuda.device(self.device):
-            comm.broadcast(ptr, ptr, nbytes, self._nccl_mod.NCCL_UINT8, src, stream.cuda_stream)
-        return self._record(stream, description)
+        uint8 = self._nccl_mod.NCCL_UINT8
+        return self._launch(
+            (tensor,), lambda comm, s: comm.broadcast(ptr, ptr, nbytes, uint8, src, s),
+            description,
+        )
 
     def _all_gather(
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
     ) -> Work:
-        comm = self._live()
-        stream = torch.cuda.current_stream(self.device)
+        send, recv = input.data_ptr(), output.data_ptr()
         nbytes = input.numel() * input.element_size()
-        with torch.cuda.device(self.device):
-            comm.allGather(
-                input.data_ptr(), output.data_ptr(), nbytes, self._nccl_mod.NCCL_UINT8,
-                stream.cuda_stream,
-            )
-        return self._record(stream, description)
+        uint8 = self._nccl_mod.NCCL_UINT8
+        return self._launch(
+            (input, output), lambda comm, s: comm.allGather(send, recv, nbytes, uint8, s),
+            description,
+        )
 
     def _barrier(self, description: DescriptionLike) -> Work:
-        # An all-reduce of one element; the caching allocator keeps it alive on this stream.
+        # An all-reduce of one element (record_stream keeps it alive until the side stream is done)
         return self._all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, description)
+
+    def _launch(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        call: Callable[[Any, int], None],
+        description: DescriptionLike,
+    ) -> Work:
+        """Enqueue ``call(nccl_comm, side_stream_handle)`` on the side stream, ordered after the
+        current stream's work on ``tensors``; return a Work on an event recorded after it."""
+        comm = self._live()
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device):
+            call(comm, side.cuda_stream)
+        for t in tensors:
+            t.record_stream(side)
+        event = torch.cuda.Event()
+        event.record(side)
+        return CudaEventWork(event, description, self._timeout, self._check_async, self._abort,
+                             on_complete=functools.partial(self._join, event))
+
+    def _join(self, event: Any) -> None:
+        """Make the current stream (the waiter's) wait for ``event``: the result is read there."""
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def _close(self) -> None:
         self._store = None
         comm, self._comm = self._comm, None
         if comm is not None:
-            torch.cuda.current_stream(self.device).synchronize()
+            self._stream.synchronize()  # NCCL's work is on the side stream
             comm.destroy()
 
     # ------------------------------------------------------------------ helpers
@@ -328,11 +369,6 @@ class CupyNCCLCommunicator(Communicator):
         if self._comm is None:
             raise RuntimeError("cupy-nccl communicator was aborted after a timed-out collective")
         return self._comm
-
-    def _record(self, stream: torch.cuda.Stream, description: DescriptionLike) -> Work:
-        event = torch.cuda.Event()
-        event.record(stream)
-        return CudaEventWork(event, description, self._timeout, self._check_async, self._abort)
 
     def _check_async(self) -> None:
         comm = self._comm

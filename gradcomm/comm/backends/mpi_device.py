@@ -33,12 +33,14 @@ from typing import Any
 
 import torch
 
+from ..cuda_packages import cupy_pip
 from ..env_flag import env_flag
 from ..errors import SlowPathWarning
 
 __all__ = [
     "CUDA_AWARE_ENV",
     "DeviceBufferAdapter",
+    "check_thread_level",
     "cuda_aware_mpi",
     "cupy_array",
     "wire_view",
@@ -166,16 +168,42 @@ def cupy_array(tensor: torch.Tensor) -> Any:
     and keeps the tensor alive.
 
     Raises:
-        ImportError: CuPy is missing (``pip install cupy-cuda12x``).
+        ImportError: CuPy is missing (the message names the CuPy of torch's CUDA major).
     """
     try:
         import cupy  # type: ignore[import-not-found, unused-ignore]
     except ImportError as exc:
         raise ImportError(
-            "passing CUDA tensors to a CUDA-aware MPI needs CuPy: pip install cupy-cuda12x "
+            f"passing CUDA tensors to a CUDA-aware MPI needs CuPy: {cupy_pip()} "
             f"(or set {CUDA_AWARE_ENV}=0 to stage through host memory)"
         ) from exc
-    return cupy.asarray(wire_view(tensor))
+    index = tensor.device.index
+    # CuPy makes the array (and any context it needs) on its current device, which is 0 unless
+    # set: the tensor's own device, so rank r's buffers stay on GPU r.
+    with cupy.cuda.Device(0 if index is None else index):
+        return cupy.asarray(wire_view(tensor))
+
+
+def check_thread_level(mpi: Any) -> None:
+    """Raise RuntimeError when MPI was initialised below ``MPI_THREAD_SERIALIZED``.
+
+    With CUDA tensors, autograd runs the gradient hooks (which launch the bucket all-reduces) on
+    its device threads, not on the thread that called ``backward()``; MPI allows calls from
+    several threads, one at a time, only at ``MPI_THREAD_SERIALIZED`` or above. mpi4py asks for
+    ``MPI_THREAD_MULTIPLE`` unless ``mpi4py.rc.thread_level`` says otherwise.
+
+    Args:
+        mpi: the ``mpi4py.MPI`` module (initialised).
+    """
+    provided = mpi.Query_thread()
+    if provided >= mpi.THREAD_SERIALIZED:
+        return
+    names = {mpi.THREAD_SINGLE: "single", mpi.THREAD_FUNNELED: "funneled"}
+    raise RuntimeError(
+        f"MPI gives thread level {names.get(provided, provided)!r}, but CUDA gradient hooks call "
+        "MPI from autograd's threads: set mpi4py.rc.thread_level = 'multiple' (or 'serialized') "
+        "before importing mpi4py.MPI"
+    )
 
 
 _warn_lock = threading.Lock()

@@ -22,13 +22,26 @@ Rendezvous: the store of :func:`gradcomm.comm.rendezvous.create_store` -- ``MAST
 ``MASTER_PORT`` (torchrun), or, under ``mpirun``/``mpiexec`` without them, an address broadcast over
 MPI. The user's default process group is never touched.
 
-Completion: :meth:`Work.wait` blocks the calling thread until the collective is done on the GPU
-(at most the communicator's timeout), so the result can be read by any stream afterwards.
+Completion: torch's ``WorkNCCL.wait()`` only makes the current stream wait for NCCL's (the host
+blocks only with ``TORCH_NCCL_BLOCKING_WAIT``), so by itself a wait or a :meth:`barrier` could
+return before the peers arrived. :class:`NCCLWork` therefore polls ``is_completed()`` until the
+collective is done or the deadline (the wait's timeout, at most the communicator's) passes, then
+calls torch's ``wait()`` for the stream ordering and the error, if any. The result can then be
+read by the current stream.
+
+After a timeout: a started NCCL kernel cannot be cancelled, and one waiting for a dead peer never
+returns, so the process group is aborted (``ProcessGroupNCCL.abort()``) and the wait raises
+:class:`~gradcomm.CollectiveTimeoutError`. The communicator is then unusable for good: every later
+collective raises RuntimeError (naming the timed-out one), :meth:`close` releases nothing more and
+succeeds, and a new communicator (a new rendezvous on every rank) is the only way on.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,12 +49,16 @@ import torch.distributed as dist
 from ..errors import BackendUnavailableError
 from ..launcher import LaunchInfo
 from ..types import ReduceOp, Support, SupportLevel
-from .torch_dist import TorchDistCommunicator
+from ..work import DescriptionLike, Work
+from .torch_dist import TorchDistCommunicator, TorchWork
+
+log = logging.getLogger("gradcomm.comm.nccl")
 
 __all__ = [
     "NCCL_DTYPES",
     "NCCL_REDUCE_OPS",
     "NCCLCommunicator",
+    "NCCLWork",
     "check_same_device",
     "nccl_support",
     "nccl_unavailable",
@@ -136,6 +153,45 @@ def check_same_device(tensor: torch.Tensor, device: torch.device, opname: str) -
         )
 
 
+class NCCLWork(TorchWork):
+    """A ``WorkNCCL`` whose :meth:`wait` blocks the host until done, within the timeout.
+
+    Args:
+        work: torch's Work of the collective. description, timeout: as :class:`TorchWork`.
+        on_timeout: called once when a wait times out, before it raises (aborts the group).
+    """
+
+    #: Polling interval bounds of :meth:`wait`, seconds (doubling from the first to the second).
+    POLL_MIN_S = 20e-6
+    POLL_MAX_S = 1e-3
+
+    def __init__(self, work: dist.Work, description: DescriptionLike, timeout: float | None,
+                 on_timeout: Callable[[], None]) -> None:
+        super().__init__(work, description, timeout)
+        self._on_nccl_timeout = on_timeout
+        self._aborted = False
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._aborted:
+            raise RuntimeError(f"{self.description}: the NCCL process group was aborted")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = self.POLL_MIN_S
+        while not self._work.is_completed():
+            if deadline is not None and time.monotonic() >= deadline:
+                self._aborted = True
+                self._on_nccl_timeout()
+                raise TimeoutError(f"{self.description}: NCCL collective still running")
+            time.sleep(delay)
+            delay = min(2 * delay, self.POLL_MAX_S)
+        super()._wait(None)  # done: the current stream waits for NCCL's; an error is raised
+
+    def _test(self) -> bool:
+        if self._aborted:
+            raise RuntimeError(f"{self.description} timed out and the NCCL process group was "
+                               "aborted; make a new communicator")
+        return super()._test()
+
+
 class NCCLCommunicator(TorchDistCommunicator):
     """Collectives on CUDA tensors through a ``ProcessGroupNCCL`` of gradcomm's own.
 
@@ -186,6 +242,32 @@ class NCCLCommunicator(TorchDistCommunicator):
     def background_progress(self) -> bool:
         """True: NCCL kernels run on their own CUDA stream while backward computes."""
         return True
+
+    @property
+    def aborted(self) -> bool:
+        """True once a collective timed out and the NCCL process group was aborted."""
+        return self._aborted
+
+    _aborted = False
+
+    def _wrap(self, work: dist.Work | None, description: DescriptionLike) -> Work:
+        if work is None:  # pragma: no cover - async_op=True always returns a Work
+            raise RuntimeError(f"{description}: torch.distributed returned no Work")
+        return NCCLWork(work, description, self._timeout, self._abort)
+
+    def _abort(self) -> None:
+        group, self._group = self._group, None
+        self._aborted = True
+        if group is not None:
+            log.error("nccl rank %d: a collective timed out; aborting the NCCL process group",
+                      self.rank)
+            group.abort()  # ProcessGroupNCCL.abort(): public
+
+    def _pg(self) -> dist.ProcessGroup:
+        if self._aborted:
+            raise RuntimeError("nccl communicator was aborted after a timed-out collective; "
+                               "make a new one")
+        return super()._pg()
 
     def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
         dev = self.device if device is None else torch.device(device)

@@ -101,7 +101,8 @@ class MPICommunicator(Communicator):
             ``cuda:<local_rank mod device count>``.
 
     Raises:
-        RuntimeError: MPI's rank/size disagree with ``launch``.
+        RuntimeError: MPI's rank/size disagree with ``launch``; CUDA with an MPI thread level
+            below ``MPI_THREAD_SERIALIZED``.
         BackendUnavailableError: ``device`` is CUDA but no CUDA device is available.
         ValueError: ``device`` is neither cpu nor cuda, or timeout is not positive.
 
@@ -154,6 +155,8 @@ class MPICommunicator(Communicator):
         if dev.type == "cuda":
             from .. import mpi_device  # lazy: needs cupy only on this branch
 
+            mpi_device.check_thread_level(MPI)  # gradient hooks call MPI from autograd's threads
+            torch.cuda.set_device(dev)  # this rank's GPU, not GPU 0, for contexts and copies
             self._cuda_aware, self._cuda_reason = mpi_device.cuda_aware_mpi()
             self._adapter = mpi_device.DeviceBufferAdapter(self._cuda_aware)
         if launch.world_size > 1 and abort_on_error:
