@@ -131,6 +131,36 @@ def test_torchrun_two_hosts_gloo(hosts: SimulatedHosts) -> None:
     _check_training(out0 + out1, "gloo", "torchrun", hosts)
 
 
+@pytest.fixture
+def debian_hosts(tmp_path: Path) -> Iterator[SimulatedHosts]:
+    """Each host's own name on 127.0.1.1 (the Debian/Ubuntu default)."""
+    made = _make_hosts("loopback-127.0.1.1", tmp_path)
+    try:
+        yield made
+    finally:
+        made.destroy()
+
+
+def test_torchrun_master_addr_name_that_is_loopback_on_its_own_host(
+    debian_hosts: SimulatedHosts,
+) -> None:
+    # --master-addr gchosta: 127.0.1.1 on the first host, its real address on the second. The
+    # first host's ranks reach the store through loopback, so they must find the address that
+    # routes to the other host instead of binding gloo to 127.0.1.1.
+    hosts = debian_hosts
+    torchrun = str(BIN / "torchrun")
+    cmds = [hosts.command(i, [
+        torchrun, "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
+        "--master-addr", hosts.names[0], "--master-port", "29400",
+        str(SCRIPTS / "init_allreduce.py"), "gloo", "60",
+    ]) for i in range(2)]
+    results = _run_all(cmds, _env())
+    out = "\n----\n".join(o for _, o in results)
+    assert [code for code, _ in results] == [0, 0], out
+    # (1 + 2 + 3 + 4) on every rank
+    assert sorted(re.findall(r"RESULT rank=(\d) sum=10\n", out)) == ["0", "1", "2", "3"], out
+
+
 @pytest.mark.mpi
 def test_mpiexec_two_hosts_gloo_and_mpi(hosts: SimulatedHosts) -> None:
     cmd = _mpiexec(hosts, [str(SCRIPTS / "digits_backends.py"), "gloo,mpi", "--",
