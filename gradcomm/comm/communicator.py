@@ -52,10 +52,8 @@ class Communicator(GroupMember, abc.ABC):
     numel and dtype.
 
     While a collective whose wait timed out is still pending, every new one raises RuntimeError
-    at once (see :mod:`~gradcomm.comm.stalls`).
-
-    The constructor's arguments (rank, world_size, local_rank, device, timeout) and their checks
-    are :class:`~gradcomm.comm.group.GroupMember`'s.
+    at once (see :mod:`~gradcomm.comm.stalls`). The constructor's arguments (rank, world_size,
+    local_rank, device, timeout) and their checks are :class:`~gradcomm.comm.group.GroupMember`'s.
     """
 
     #: Name of the backend, as given to :func:`gradcomm.init` (``"gloo"``, ``"mpi"``, ...).
@@ -74,6 +72,7 @@ class Communicator(GroupMember, abc.ABC):
         self._stall_note = self._stalls.note  # bound once, not per collective (Work.bind)
         self._checks = TensorChecks(self.backend, self._device, f"rank {rank}/{world_size}",
                                     self._supports)
+        self._kinds = self._checks.kinds  # the cache itself: one lookup less per call
         # all_reduce may use cached checks unless a backend adds checks of its own to _check_tensor
         self._cached_checks = (world_size > 1
                                and type(self)._check_tensor is Communicator._check_tensor)
@@ -158,13 +157,13 @@ class Communicator(GroupMember, abc.ABC):
                 and (label is None or label.__class__ is str) and self.profiler is None
                 and not self._closed and self._stalls.stalled is None
                 and isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided):
-            kind = self._checks.kinds.get((tensor.dtype, tensor.device))
+            kind = self._kinds.get((tensor.dtype, tensor.device))
             numel = tensor.numel()
             if (kind is not None and kind[0] is None and numel and tensor.is_contiguous()
                     and not tensor.is_neg()):
                 desc = Description("all_reduce", next(self._seq), numel, kind[2], op, label)
-                return self._issue("all_reduce", self._all_reduce, (tensor, op), desc, tensor,
-                                   tensor, label, async_op)
+                # _issue's steps without those that do nothing here (no profiler, no copy)
+                return self._complete(self._all_reduce(tensor, op, desc), async_op, tensor)
         return self._checked_all_reduce(tensor, op, async_op, label)
 
     def _checked_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str, async_op: bool,
