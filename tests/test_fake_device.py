@@ -100,6 +100,28 @@ def test_reducer_builds_on_a_device_communicator_with_two_ranks() -> None:
     assert run_processes(_construct_on_fake, 2, timeout=90) == [["meta", "meta"]] * 2
 
 
+def _mismatch_on_fake(rank: int, world_size: int) -> str:
+    with gradcomm.init("gloo", timeout=60) as inner, fake_device():
+        comm = FakeDeviceCommunicator(inner)
+        model = to_fake_module(nn.Linear(4, 3 + (rank == 1)))  # rank 1's differs
+        try:
+            GradientReducer(model, comm)
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_fingerprint_mismatch_is_found_on_a_device_communicator() -> None:
+    # The mismatch path's two extra all-gathers (hash table, descriptions) run on comm.device too.
+    texts = run_processes(_mismatch_on_fake, 2, timeout=90)
+    assert texts[0] == texts[1]  # every rank raises the same error
+    assert "first difference at entry #2" in texts[0], texts[0]
+    assert "rank 0: 'param weight (3, 4) torch.float32" in texts[0], texts[0]
+    assert "rank 1: 'param weight (4, 4) torch.float32" in texts[0], texts[0]
+
+
 # ============================================================================ every layer
 def _gloo_checks(rank: int, world_size: int) -> dict[str, list[str]]:
     torch.set_num_threads(1)
