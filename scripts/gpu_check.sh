@@ -226,7 +226,7 @@ mpi_job() {  # mpi_job NAME KIND CMD... : FAIL at once without MPI (a missing pi
     if [ "$MPI_OK" != 1 ]; then record FAIL "$name" "$(budget_of "$name")" 0 "needs MPI (see mpi-setup)"; return; fi
     run_job "$name" "$(budget_of "$name")" 2 "$kind" "${MPIRUN[@]}" "$@"
 }
-BENCH=(-m gradcomm.bench --device cuda -b 1K -e 4M -f 16 -n 5 -w 2 -r 1 --timeout 30 --no-raw)
+BENCH=(-m gradcomm.bench --device cuda -b 1K -e 4M -f 16 -n 5 -w 2 -r 1 --timeout 30)
 JOB=tests/gpu_jobs.py
 
 # ---------------------------------------------------------------------------------- checks

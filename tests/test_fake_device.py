@@ -10,6 +10,7 @@ spawned processes) and real MPI (``mpiexec -n 2`` and ``-n 3``).
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -100,6 +101,28 @@ def test_reducer_builds_on_a_device_communicator_with_two_ranks() -> None:
     assert run_processes(_construct_on_fake, 2, timeout=90) == [["meta", "meta"]] * 2
 
 
+def _mismatch_on_fake(rank: int, world_size: int) -> str:
+    with gradcomm.init("gloo", timeout=60) as inner, fake_device():
+        comm = FakeDeviceCommunicator(inner)
+        model = to_fake_module(nn.Linear(4, 3 + (rank == 1)))  # rank 1's differs
+        try:
+            GradientReducer(model, comm)
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_fingerprint_mismatch_is_found_on_a_device_communicator() -> None:
+    # The mismatch path's two extra all-gathers (hash table, descriptions) run on comm.device too.
+    texts = run_processes(_mismatch_on_fake, 2, timeout=90)
+    assert texts[0] == texts[1]  # every rank raises the same error
+    assert "first difference at entry #2" in texts[0], texts[0]
+    assert "rank 0: 'param weight (3, 4) torch.float32" in texts[0], texts[0]
+    assert "rank 1: 'param weight (4, 4) torch.float32" in texts[0], texts[0]
+
+
 # ============================================================================ every layer
 def _gloo_checks(rank: int, world_size: int) -> dict[str, list[str]]:
     torch.set_num_threads(1)
@@ -122,6 +145,7 @@ def test_every_layer_on_the_fake_device_matches_cpu_over_gloo(world_size: int) -
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_layer_on_the_fake_device_matches_cpu_over_mpi(world_size: int) -> None:
     proc = run_mpi(TESTS_DIR / "mpi_scripts" / "fake_device.py", world_size, timeout=360)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("fake-device rank")]
-    assert sorted(lines) == [f"fake-device rank {r}: {len(CASES) + 2} checks, all equal"
-                             for r in range(world_size)], proc.stdout
+    # Ranks print concurrently, so their lines may run together: search, do not split.
+    found = re.findall(r"fake-device rank (\d+): (\d+) checks, all equal", proc.stdout)
+    assert sorted(found) == [(str(r), str(len(CASES) + 2)) for r in range(world_size)], proc.stdout
+    assert "differs" not in proc.stdout, proc.stdout

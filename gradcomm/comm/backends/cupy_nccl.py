@@ -41,7 +41,6 @@ import functools
 import importlib.util
 import logging
 import pickle
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +53,13 @@ from ..launcher import LaunchInfo
 from ..rendezvous import create_store
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
-from .nccl import NCCL_REDUCE_OPS, check_same_device, nccl_support, resolve_cuda_device
+from .nccl import (
+    NCCL_REDUCE_OPS,
+    check_same_device,
+    nccl_support,
+    poll_until_done,
+    resolve_cuda_device,
+)
 
 __all__ = ["CudaEventWork", "CupyNCCLCommunicator", "as_tensor", "cupy_nccl_unavailable"]
 
@@ -121,10 +126,6 @@ class CudaEventWork(Work):
             (makes the current stream wait for the event).
     """
 
-    #: Polling interval bounds of :meth:`wait`, seconds (doubling from the first to the second).
-    POLL_MIN_S = 20e-6
-    POLL_MAX_S = 1e-3
-
     def __init__(
         self,
         event: Any,
@@ -155,15 +156,12 @@ class CudaEventWork(Work):
         return False
 
     def _wait(self, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = self.POLL_MIN_S
-        while not self._test():
-            if deadline is not None and time.monotonic() >= deadline:
-                self._aborted = True
-                self._on_cuda_timeout()
-                raise TimeoutError(f"{self.description}: CUDA event not reached")
-            time.sleep(delay)
-            delay = min(2 * delay, self.POLL_MAX_S)
+        poll_until_done(self._test, timeout, self._expire,
+                        f"{self.description}: CUDA event not reached")
+
+    def _expire(self) -> None:
+        self._aborted = True
+        self._on_cuda_timeout()
 
 
 class CupyNCCLCommunicator(Communicator):

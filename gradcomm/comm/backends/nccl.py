@@ -62,6 +62,7 @@ __all__ = [
     "check_same_device",
     "nccl_support",
     "nccl_unavailable",
+    "poll_until_done",
     "resolve_cuda_device",
 ]
 
@@ -153,6 +154,28 @@ def check_same_device(tensor: torch.Tensor, device: torch.device, opname: str) -
         )
 
 
+#: Polling interval bounds of the NCCL-family waits, seconds (doubling from first to second).
+POLL_MIN_S = 20e-6
+POLL_MAX_S = 1e-3
+
+
+def poll_until_done(done: Callable[[], bool], timeout: float | None,
+                    expire: Callable[[], None], what: str) -> None:
+    """Call ``done()`` until it returns True, sleeping between calls (20 us doubling to 1 ms).
+
+    A GPU collective finishes on the device, so the host can only ask. After ``timeout`` seconds
+    (None: never) ``expire()`` is called once and :class:`TimeoutError` (``what``) is raised.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = POLL_MIN_S
+    while not done():
+        if deadline is not None and time.monotonic() >= deadline:
+            expire()
+            raise TimeoutError(what)
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX_S)
+
+
 class NCCLWork(TorchWork):
     """A ``WorkNCCL`` whose :meth:`wait` blocks the host until done, within the timeout.
 
@@ -160,10 +183,6 @@ class NCCLWork(TorchWork):
         work: torch's Work of the collective. description, timeout: as :class:`TorchWork`.
         on_timeout: called once when a wait times out, before it raises (aborts the group).
     """
-
-    #: Polling interval bounds of :meth:`wait`, seconds (doubling from the first to the second).
-    POLL_MIN_S = 20e-6
-    POLL_MAX_S = 1e-3
 
     def __init__(self, work: dist.Work, description: DescriptionLike, timeout: float | None,
                  on_timeout: Callable[[], None]) -> None:
@@ -174,16 +193,13 @@ class NCCLWork(TorchWork):
     def _wait(self, timeout: float | None) -> None:
         if self._aborted:
             raise RuntimeError(f"{self.description}: the NCCL process group was aborted")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = self.POLL_MIN_S
-        while not self._work.is_completed():
-            if deadline is not None and time.monotonic() >= deadline:
-                self._aborted = True
-                self._on_nccl_timeout()
-                raise TimeoutError(f"{self.description}: NCCL collective still running")
-            time.sleep(delay)
-            delay = min(2 * delay, self.POLL_MAX_S)
+        poll_until_done(self._work.is_completed, timeout, self._expire,
+                        f"{self.description}: NCCL collective still running")
         super()._wait(None)  # done: the current stream waits for NCCL's; an error is raised
+
+    def _expire(self) -> None:
+        self._aborted = True
+        self._on_nccl_timeout()
 
     def _test(self) -> bool:
         if self._aborted:
