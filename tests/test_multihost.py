@@ -40,30 +40,33 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _make_hosts(variant: str, workdir: Path) -> SimulatedHosts:
+def _simulated(variant: str, workdir: Path) -> Iterator[SimulatedHosts]:
+    """Yield the two hosts of ``variant``; torn down afterwards, whatever happened."""
     problem = namespace_problem()
     if problem is not None:
         pytest.skip(f"cannot simulate hosts: {problem}")
-    return SimulatedHosts.create(variant, workdir)
-
-
-@pytest.fixture(params=HOSTS_VARIANTS)
-def hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SimulatedHosts]:
-    made = _make_hosts(request.param, tmp_path)
+    made = SimulatedHosts.create(variant, workdir)
     try:
         yield made
     finally:
         made.destroy()
+
+
+@pytest.fixture(params=HOSTS_VARIANTS)
+def hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SimulatedHosts]:
+    yield from _simulated(request.param, tmp_path)
 
 
 @pytest.fixture
 def plain_hosts(tmp_path: Path) -> Iterator[SimulatedHosts]:
     """Both hosts' names on their addresses (the variant that needs no help)."""
-    made = _make_hosts("own-address", tmp_path)
-    try:
-        yield made
-    finally:
-        made.destroy()
+    yield from _simulated("own-address", tmp_path)
+
+
+@pytest.fixture
+def debian_hosts(tmp_path: Path) -> Iterator[SimulatedHosts]:
+    """Each host's own name on 127.0.1.1 (the Debian/Ubuntu default)."""
+    yield from _simulated("loopback-127.0.1.1", tmp_path)
 
 
 def _run_all(hosts: SimulatedHosts, cmds: Sequence[list[str]],
@@ -135,16 +138,6 @@ def test_torchrun_two_hosts_gloo(hosts: SimulatedHosts) -> None:
     (code0, out0), (code1, out1) = _run_all(hosts, cmds, _env())
     assert (code0, code1) == (0, 0), out0 + "\n----\n" + out1
     _check_training(out0 + out1, "gloo", "torchrun", hosts)
-
-
-@pytest.fixture
-def debian_hosts(tmp_path: Path) -> Iterator[SimulatedHosts]:
-    """Each host's own name on 127.0.1.1 (the Debian/Ubuntu default)."""
-    made = _make_hosts("loopback-127.0.1.1", tmp_path)
-    try:
-        yield made
-    finally:
-        made.destroy()
 
 
 def test_torchrun_master_addr_name_that_is_loopback_on_its_own_host(
