@@ -147,8 +147,9 @@ class SimulatedHosts:
         return ["ip", "netns", "exec", self.namespaces[i], "unshare", "--uts", "sh", "-c",
                 'hostname "$0" && exec "$@"', self.names[i], *cmd]
 
-    def destroy(self) -> None:
-        """Kill what still runs in the namespaces, then delete them and their /etc files."""
+    def kill_all(self) -> None:
+        """SIGKILL every process inside either namespace (launchers start some ranks in
+        sessions of their own, out of reach of a process-group kill)."""
         for ns in self.namespaces:
             for _ in range(3):
                 pids = self._pids(ns)
@@ -160,6 +161,11 @@ class SimulatedHosts:
                     except ProcessLookupError:
                         pass
                 time.sleep(0.2)
+
+    def destroy(self) -> None:
+        """Kill what still runs in the namespaces, then delete them and their /etc files."""
+        self.kill_all()
+        for ns in self.namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_IP_TIMEOUT)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 

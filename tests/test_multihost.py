@@ -40,35 +40,39 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _make_hosts(variant: str, workdir: Path) -> SimulatedHosts:
+def _simulated(variant: str, workdir: Path) -> Iterator[SimulatedHosts]:
+    """Yield the two hosts of ``variant``; torn down afterwards, whatever happened."""
     problem = namespace_problem()
     if problem is not None:
         pytest.skip(f"cannot simulate hosts: {problem}")
-    return SimulatedHosts.create(variant, workdir)
-
-
-@pytest.fixture(params=HOSTS_VARIANTS)
-def hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SimulatedHosts]:
-    made = _make_hosts(request.param, tmp_path)
+    made = SimulatedHosts.create(variant, workdir)
     try:
         yield made
     finally:
         made.destroy()
+
+
+@pytest.fixture(params=HOSTS_VARIANTS)
+def hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SimulatedHosts]:
+    yield from _simulated(request.param, tmp_path)
 
 
 @pytest.fixture
 def plain_hosts(tmp_path: Path) -> Iterator[SimulatedHosts]:
     """Both hosts' names on their addresses (the variant that needs no help)."""
-    made = _make_hosts("own-address", tmp_path)
-    try:
-        yield made
-    finally:
-        made.destroy()
+    yield from _simulated("own-address", tmp_path)
 
 
-def _run_all(cmds: Sequence[list[str]], env: dict[str, str]) -> list[tuple[int, str]]:
+@pytest.fixture
+def debian_hosts(tmp_path: Path) -> Iterator[SimulatedHosts]:
+    """Each host's own name on 127.0.1.1 (the Debian/Ubuntu default)."""
+    yield from _simulated("loopback-127.0.1.1", tmp_path)
+
+
+def _run_all(hosts: SimulatedHosts, cmds: Sequence[list[str]],
+             env: dict[str, str]) -> list[tuple[int, str]]:
     """Run the commands at once; ``(exit status, output)`` each. After RUN_TIMEOUT s every
-    process group is killed and the test fails with what they printed."""
+    process in the hosts is killed and the test fails with what they printed."""
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env, cwd=REPO_ROOT, start_new_session=True) for c in cmds]
     deadline = time.monotonic() + RUN_TIMEOUT
@@ -78,17 +82,22 @@ def _run_all(cmds: Sequence[list[str]], env: dict[str, str]) -> list[tuple[int, 
             try:
                 out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                hosts.kill_all()
+                outs = []
                 for q in procs:
                     if q.poll() is None:
                         os.killpg(q.pid, signal.SIGKILL)
-                outs = [q.communicate()[0] for q in procs]
+                    try:
+                        outs.append(q.communicate(timeout=10)[0])
+                    except subprocess.TimeoutExpired:
+                        outs.append("(output still held open by a process)")
                 pytest.fail(f"not finished within {RUN_TIMEOUT} s:\n" + "\n----\n".join(outs))
             results.append((p.returncode, out))
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+                p.wait(10)
     return results
 
 
@@ -126,19 +135,9 @@ def test_torchrun_two_hosts_gloo(hosts: SimulatedHosts) -> None:
         "--master-addr", hosts.addresses[0], "--master-port", "29400",
         str(EXAMPLE), "--backend", "gloo", "--epochs", "1", "--timeout", "60",
     ]) for i in range(2)]
-    (code0, out0), (code1, out1) = _run_all(cmds, _env())
+    (code0, out0), (code1, out1) = _run_all(hosts, cmds, _env())
     assert (code0, code1) == (0, 0), out0 + "\n----\n" + out1
     _check_training(out0 + out1, "gloo", "torchrun", hosts)
-
-
-@pytest.fixture
-def debian_hosts(tmp_path: Path) -> Iterator[SimulatedHosts]:
-    """Each host's own name on 127.0.1.1 (the Debian/Ubuntu default)."""
-    made = _make_hosts("loopback-127.0.1.1", tmp_path)
-    try:
-        yield made
-    finally:
-        made.destroy()
 
 
 def test_torchrun_master_addr_name_that_is_loopback_on_its_own_host(
@@ -154,7 +153,7 @@ def test_torchrun_master_addr_name_that_is_loopback_on_its_own_host(
         "--master-addr", hosts.names[0], "--master-port", "29400",
         str(SCRIPTS / "init_allreduce.py"), "gloo", "60",
     ]) for i in range(2)]
-    results = _run_all(cmds, _env())
+    results = _run_all(hosts, cmds, _env())
     out = "\n----\n".join(o for _, o in results)
     assert [code for code, _ in results] == [0, 0], out
     # (1 + 2 + 3 + 4) on every rank
@@ -165,7 +164,7 @@ def test_torchrun_master_addr_name_that_is_loopback_on_its_own_host(
 def test_mpiexec_two_hosts_gloo_and_mpi(hosts: SimulatedHosts) -> None:
     cmd = _mpiexec(hosts, [str(SCRIPTS / "digits_backends.py"), "gloo,mpi", "--",
                            "--epochs", "1", "--timeout", "60"])
-    [(code, out)] = _run_all([cmd], _env())
+    [(code, out)] = _run_all(hosts, [cmd], _env())
     assert code == 0, out
     for backend in ("gloo", "mpi"):
         _check_training(out, backend, "mpich", hosts)
@@ -178,7 +177,7 @@ def test_unreachable_interface_raises_on_every_rank(plain_hosts: SimulatedHosts)
     timeout = 20.0
     cmd = _mpiexec(plain_hosts, [str(SCRIPTS / "init_allreduce.py"), "gloo", str(timeout)])
     start = time.monotonic()
-    [(code, out)] = _run_all([cmd], _env(GLOO_SOCKET_IFNAME="lo",
+    [(code, out)] = _run_all(plain_hosts, [cmd], _env(GLOO_SOCKET_IFNAME="lo",
                                           GRADCOMM_MPI_ABORT_ON_ERROR="0"))
     assert code != 0, out
     # Rank 0 finds no address to publish on lo, and says so on every rank.
@@ -199,7 +198,7 @@ def test_torchrun_unreachable_interface_raises_on_both_nodes(plain_hosts: Simula
         "--master-addr", plain_hosts.addresses[0], "--master-port", "29400",
         str(SCRIPTS / "init_allreduce.py"), "gloo", str(timeout),
     ]) for i in range(2)]
-    results = _run_all(cmds, _env(GLOO_SOCKET_IFNAME="lo"))
+    results = _run_all(plain_hosts, cmds, _env(GLOO_SOCKET_IFNAME="lo"))
     out = "\n----\n".join(o for _, o in results)
     assert all(code != 0 for code, _ in results), out
     failed = re.findall(r"INIT FAILED rank=(\d) after=([0-9.]+) RuntimeError: network check "

@@ -118,7 +118,7 @@ def _store_via_mpi(
     failed = [(r, w) for r, w in enumerate(outcomes) if w is not None]
     if failed:  # raised on every rank, so that none waits for the others
         r, w = failed[0]
-        tried = w if len(w) <= 70 else w[:67] + "..."
+        tried = w if len(w) <= 48 else w[:45] + "..."  # the message stays within 200 chars
         raise RuntimeError(f"{len(failed)} rank(s) reached no address of rank 0's store (port "
                            f"{port}); rank {r} tried {tried}; {_unreachable_hint(variable)}")
     if store is None:
