@@ -215,6 +215,7 @@ def _device_rank(rank: int, world_size: int, out: str, device: str) -> int:
                  "--device", device, "--json", out, "--timeout", "60"])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_device_cpu_sweep_records_device(tmp_path: Path) -> None:
     out = tmp_path / "cpu.json"
@@ -224,6 +225,7 @@ def test_device_cpu_sweep_records_device(tmp_path: Path) -> None:
     assert [r.wrong for r in result.rows] == [0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_device_the_backend_cannot_use_is_an_error(tmp_path: Path) -> None:
     # gloo works on the CPU only: --device cuda must fail clearly, not silently use the CPU.
@@ -303,6 +305,7 @@ def test_sweep_rejects_bad_arguments_before_any_collective() -> None:
     comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tiny_gloo_sweep_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "gloo.json"
@@ -310,6 +313,7 @@ def test_tiny_gloo_sweep_two_ranks(tmp_path: Path) -> None:
     _check_rows(out, "gloo", 2)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_tiny_mpi_sweep_under_mpiexec(tmp_path: Path) -> None:
     pytest.importorskip("gradcomm.comm.backends.mpi", reason="the mpi backend is not in this tree")
@@ -411,6 +415,7 @@ def test_step_time_in_place_min_mb_values(text: str, want: float | None) -> None
     assert st.parse_args(["--in-place-min-mb", text]).in_place_min_mb == want  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -> None:
@@ -434,6 +439,7 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -
     assert any(ln.strip().startswith("comm - raw:") for ln in lines), proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_step_breakdown_times_the_reducer_hooks_inside_backward(backend: str,

@@ -147,6 +147,7 @@ def _write_cli_script(tmp_path: Path) -> Path:
     return script
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_info_under_mpiexec_json(tmp_path: Path) -> None:
     script = _write_cli_script(tmp_path)
@@ -165,6 +166,7 @@ def test_info_under_mpiexec_json(tmp_path: Path) -> None:
     assert [r["launch"]["rank"] for r in reports] == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_info_under_mpiexec_text_prefixes_ranks(tmp_path: Path) -> None:
     out = run_mpi(_write_cli_script(tmp_path), 2, ["info", "--no-mpi"], timeout=90)

@@ -287,6 +287,7 @@ def _init_from_env_argument(rank: int, world_size: int) -> list[float]:
         return t.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_init_reads_the_rendezvous_from_the_env_argument() -> None:
     out = run_processes(_init_from_env_argument, 2, timeout=90)
