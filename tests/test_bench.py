@@ -368,6 +368,7 @@ def test_old_algorithm_averages_once_after_backward() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
 def test_retain_freed_memory_keeps_freed_pages_in_the_process() -> None:
     # In a child process (mallopt changes the whole process): free a 20 MiB tensor and see
@@ -483,6 +484,7 @@ def test_step_breakdown_rejects_bad_arguments_before_starting(argv: list[str]) -
     assert info.value.code == 2
 
 
+@pytest.mark.slow
 def test_step_breakdown_refuses_one_process() -> None:
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "step_breakdown.py")],
                           capture_output=True, text=True, timeout=120,
@@ -490,6 +492,7 @@ def test_step_breakdown_refuses_one_process() -> None:
     assert proc.returncode == 2 and "mpiexec with 2 or more ranks" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("argv", "says"), [
     (["--calls", "10"], "mpiexec with 2 or more ranks"),  # one process: nothing to compare
     (["--bytes", "6"], "multiple of 4"),  # would send 4 B and call it 6

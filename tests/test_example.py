@@ -155,6 +155,7 @@ def test_explicit_cpu_device() -> None:
     assert run_processes(_device_run, 2, "cpu", timeout=RUN_TIMEOUT) == [0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["nosuch", "cuda:x"])
 def test_bad_device_is_a_usage_error(device: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

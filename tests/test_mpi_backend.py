@@ -91,6 +91,7 @@ def _plain_python(
     )
 
 
+@pytest.mark.slow
 def test_world_size_one_plain_python_issues_no_collective() -> None:
     require_mpi()
     proc = _plain_python(
@@ -207,6 +208,7 @@ def test_gloo_rendezvous_through_mpi() -> None:
     ], out
 
 
+@pytest.mark.slow
 def test_missing_mpi4py_names_pip_install() -> None:
     # Both through gradcomm.init (the registry's check) and importing the backend module directly.
     proc = _plain_python(
