@@ -22,6 +22,7 @@ def test_gloo_needs_a_spare_core_per_process(
         assert comm.background_progress is want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("env", "cores", "want"), [
     ({}, 8, False),                                   # no progress thread: only our polls
     ({"MPIR_CVAR_ASYNC_PROGRESS": "1"}, 8, True),

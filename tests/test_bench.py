@@ -215,6 +215,7 @@ def _device_rank(rank: int, world_size: int, out: str, device: str) -> int:
                  "--device", device, "--json", out, "--timeout", "60"])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_device_cpu_sweep_records_device(tmp_path: Path) -> None:
     out = tmp_path / "cpu.json"
@@ -224,6 +225,7 @@ def test_device_cpu_sweep_records_device(tmp_path: Path) -> None:
     assert [r.wrong for r in result.rows] == [0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_device_the_backend_cannot_use_is_an_error(tmp_path: Path) -> None:
     # gloo works on the CPU only: --device cuda must fail clearly, not silently use the CPU.
@@ -326,6 +328,7 @@ def test_sweep_rejects_bad_arguments_before_any_collective() -> None:
     comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tiny_gloo_sweep_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "gloo.json"
@@ -333,6 +336,7 @@ def test_tiny_gloo_sweep_two_ranks(tmp_path: Path) -> None:
     _check_rows(out, "gloo", 2)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_tiny_mpi_sweep_under_mpiexec(tmp_path: Path) -> None:
     pytest.importorskip("gradcomm.comm.backends.mpi", reason="the mpi backend is not in this tree")
@@ -387,6 +391,7 @@ def test_old_algorithm_averages_once_after_backward() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
 def test_retain_freed_memory_keeps_freed_pages_in_the_process() -> None:
     # In a child process (mallopt changes the whole process): free a 20 MiB tensor and see
@@ -434,6 +439,7 @@ def test_step_time_in_place_min_mb_values(text: str, want: float | None) -> None
     assert st.parse_args(["--in-place-min-mb", text]).in_place_min_mb == want  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -> None:
@@ -458,6 +464,7 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -
     assert any(ln.strip().startswith("comm - raw:") for ln in lines), proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_step_breakdown_times_the_reducer_hooks_inside_backward(backend: str,
@@ -502,6 +509,7 @@ def test_step_breakdown_rejects_bad_arguments_before_starting(argv: list[str]) -
     assert info.value.code == 2
 
 
+@pytest.mark.slow
 def test_step_breakdown_refuses_one_process() -> None:
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "step_breakdown.py")],
                           capture_output=True, text=True, timeout=120,
@@ -509,6 +517,7 @@ def test_step_breakdown_refuses_one_process() -> None:
     assert proc.returncode == 2 and "mpiexec with 2 or more ranks" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("argv", "says"), [
     (["--calls", "10"], "mpiexec with 2 or more ranks"),  # one process: nothing to compare
     (["--bytes", "6"], "multiple of 4"),  # would send 4 B and call it 6

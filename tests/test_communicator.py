@@ -404,6 +404,7 @@ def _gloo_suite(rank: int, world_size: int, handshake: str) -> str:
         return full_suite(comm, Path(handshake), EXACT_DTYPES + HALF_DTYPES)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gloo_suite(world_size: int, tmp_path: Path) -> None:
@@ -443,6 +444,7 @@ def _gloo_timeout(rank: int, world_size: int, timeout: float, flag: str) -> floa
         return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_rank_that_stops_calling_times_out_the_others(tmp_path: Path) -> None:
     timeout = 3.0
@@ -503,6 +505,7 @@ def _gloo_longer_wait(rank: int, world_size: int, flag: str) -> object:
         return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_wait_cannot_outlast_the_group_timeout_and_says_so(tmp_path: Path) -> None:
     # gloo ends the collective at the process group's timeout (init's) whatever the wait asks.
@@ -513,6 +516,7 @@ def test_gloo_wait_cannot_outlast_the_group_timeout_and_says_so(tmp_path: Path) 
     assert "the wait asked for no limit" in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_work_wait_timeout_then_complete(tmp_path: Path) -> None:
     out = run_processes(_gloo_wait_timeout, 2, str(tmp_path / "late"), timeout=90)
@@ -548,6 +552,7 @@ def _gloo_peer_closes(rank: int, world_size: int, flag: str) -> object:
             seen.touch()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_failed_collective_is_never_reported_complete(tmp_path: Path) -> None:
     # torch's Work.is_completed() is True for a failed collective too; ours must raise instead,

@@ -64,6 +64,7 @@ def single_process_losses() -> list[float]:
     return _check_output(out, 1)[1]
 
 
+@pytest.mark.slow  # trains the example for its ten epochs
 def test_single_process(single_process_losses: list[float]) -> None:
     assert single_process_losses[0] > single_process_losses[-1]
 
@@ -73,6 +74,7 @@ def _same_training(losses: list[float], reference: list[float]) -> None:
     assert losses[0] == pytest.approx(reference[0], rel=1e-3), (losses, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torchrun(single_process_losses: list[float]) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -84,6 +86,7 @@ def test_torchrun(single_process_losses: list[float]) -> None:
     _same_training(_check_output(out, 2)[1], single_process_losses)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_mpiexec(backend: str, single_process_losses: list[float]) -> None:
@@ -117,6 +120,7 @@ def _diverging_run(rank: int, world_size: int) -> int:
     return int(example.main(["--epochs", "1", "--log-level", "WARNING"]))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_differing_parameters_exit_non_zero() -> None:
     assert run_processes(_diverging_run, 2, timeout=RUN_TIMEOUT) == [1, 1]
@@ -126,6 +130,7 @@ def _bad_training_run(rank: int, world_size: int, extra: list[str]) -> int:
     return int(_load_example().main(["--epochs", "2", "--log-level", "ERROR", *extra]))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("extra", "code"),
@@ -144,11 +149,13 @@ def _device_run(rank: int, world_size: int, device: str) -> int:
                                      "--device", device]))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_explicit_cpu_device() -> None:
     assert run_processes(_device_run, 2, "cpu", timeout=RUN_TIMEOUT) == [0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["nosuch", "cuda:x"])
 def test_bad_device_is_a_usage_error(device: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

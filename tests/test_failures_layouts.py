@@ -58,6 +58,7 @@ def _want_tiny() -> list[list[float]]:
                                                                        torch.bfloat16)]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_four_ranks_half_average_neither_underflows_nor_overflows() -> None:
     for got in run_processes(_gloo_tiny_average, 4, timeout=100):

@@ -27,6 +27,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("n", sorted(RUNS))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 import gradcomm
 
 from dist_utils import TESTS_DIR
@@ -25,6 +27,7 @@ SINGLE = ["no_sync", "several_backwards", "checkpointing", "tied", "layouts", "h
           "degenerate"]
 
 
+@pytest.mark.slow
 def test_gloo_world_size_one_every_case_without_a_collective() -> None:
     comm = gradcomm.init("gloo", rank=0, world_size=1, env={})
     calls: list[str] = []

@@ -84,6 +84,7 @@ def _run_torchrun_like(world_size: int, args: list[str], env: dict[str, str],
     return codes, ended, "\n".join(outputs)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("mode", "source"), [("kill", "arg"), ("raise", "arg"), ("stall", "env")])
@@ -113,6 +114,7 @@ def test_gloo_rank_fails_mid_backward(mode: str, source: str) -> None:
         assert codes[-1] == 1 and "deliberate failure on rank 2 mid-backward" in out, (codes, out)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("mode", "source"), [("kill", "env"), ("raise", "env"), ("stall", "arg")])

@@ -437,6 +437,7 @@ def _nccl_rank(rank: int, world_size: int) -> float:
         return _grad_check(comm)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.gpu
 @needs_cuda
@@ -473,6 +474,7 @@ def test_cupy_nccl_world_size_1_drives_nccl() -> None:
         assert cupy.asnumpy(x).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.gpu
 @needs_cuda
@@ -488,6 +490,7 @@ def test_cupy_nccl_under_mpiexec_without_master_addr() -> None:
 
 
 # ============================================================================ GPU: mpi + CUDA
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.gpu
 @needs_cuda

@@ -36,6 +36,7 @@ def _run_info(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_plain_json_single_process() -> None:
     report = json.loads(_run_info("--json").stdout)
     assert report["launch"] == {"launcher": "single", "rank": 0, "world_size": 1,
@@ -49,6 +50,7 @@ def test_plain_json_single_process() -> None:
     assert report["cuda"]["available"] is torch.cuda.is_available()
 
 
+@pytest.mark.slow
 def test_gradcomm_backend_env_is_reported_with_reason() -> None:
     report = json.loads(_run_info("--json", GRADCOMM_BACKEND="MPI").stdout)
     assert report["backend"]["selected"] == "mpi"
@@ -83,6 +85,7 @@ def test_bad_switches_and_profile_dir_are_marked_invalid(tmp_path: Path) -> None
         assert "INVALID" in line, text
 
 
+@pytest.mark.slow
 def test_text_output_single_process() -> None:
     lines = _run_info().stdout.splitlines()
     assert lines[0].startswith("gradcomm ")
@@ -127,6 +130,7 @@ def test_bad_gradcomm_values_are_flagged_with_inits_error() -> None:
     assert "INVALID" not in format_info(good)
 
 
+@pytest.mark.slow
 def test_info_does_not_initialise_mpi() -> None:
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install mpi4py mpich)")
     code = (
@@ -147,6 +151,7 @@ def _write_cli_script(tmp_path: Path) -> Path:
     return script
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_info_under_mpiexec_json(tmp_path: Path) -> None:
     script = _write_cli_script(tmp_path)
@@ -165,6 +170,7 @@ def test_info_under_mpiexec_json(tmp_path: Path) -> None:
     assert [r["launch"]["rank"] for r in reports] == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_info_under_mpiexec_text_prefixes_ranks(tmp_path: Path) -> None:
     out = run_mpi(_write_cli_script(tmp_path), 2, ["info", "--no-mpi"], timeout=90)

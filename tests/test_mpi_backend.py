@@ -33,6 +33,7 @@ def _results(output: str, prefix: str) -> list[str]:
     return [line.rstrip() for line in found]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_every_op_and_dtype(n: int) -> None:
@@ -43,6 +44,7 @@ def test_collectives_every_op_and_dtype(n: int) -> None:
     ), out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_all_reduce_shortcut_and_every_fallback_give_the_general_paths_values(n: int) -> None:
@@ -52,6 +54,7 @@ def test_all_reduce_shortcut_and_every_fallback_give_the_general_paths_values(n:
     ), out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", ["same", "size"])
 def test_launch_settings_that_disagree_with_mpi_raise_on_every_rank(case: str) -> None:
@@ -67,6 +70,7 @@ def test_launch_settings_that_disagree_with_mpi_raise_on_every_rank(case: str) -
         assert wrong in line, out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_device_buffer_path_with_fake_adapters() -> None:
     out = run_mpi(SCRIPTS / "mpi_backend_staging.py", 2, timeout=60).stdout
@@ -87,6 +91,7 @@ def _plain_python(
     )
 
 
+@pytest.mark.slow
 def test_world_size_one_plain_python_issues_no_collective() -> None:
     require_mpi()
     proc = _plain_python(
@@ -97,6 +102,7 @@ def test_world_size_one_plain_python_issues_no_collective() -> None:
     assert _results(proc.stdout, "single") == ["RESULT single calls=0 launcher=single"], proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_world_size_one_mpiexec_issues_no_collective() -> None:
     import torch
@@ -111,6 +117,7 @@ def test_world_size_one_mpiexec_issues_no_collective() -> None:
         assert "torch.cuda.is_available() is False" in cuda, cuda
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_timeout_raises_and_job_ends_non_zero() -> None:
     # Rank 1 sleeps 600 s after skipping the collective; only the abort hook ends it in time.
@@ -126,6 +133,7 @@ def test_timeout_raises_and_job_ends_non_zero() -> None:
     assert "unusable" in broken and "timed out" in broken, broken
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_gloo_under_mpiexec_stalled_rank_ends_the_job() -> None:
     # The gloo rendezvous initialised MPI; without the abort hook rank 0 would time out, then
@@ -141,6 +149,7 @@ def test_gloo_under_mpiexec_stalled_rank_ends_the_job() -> None:
     assert elapsed < 40, (elapsed, out)  # the job ended long before rank 1 woke up
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_all_gather_with_input_aliasing_output(backend: str) -> None:
@@ -150,6 +159,7 @@ def test_all_gather_with_input_aliasing_output(backend: str) -> None:
     assert len(_results(proc.stdout, "alias-ok")) == 2, proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", ["dropped", "short-wait", "swapped"])
 def test_pending_collectives_keep_their_buffers_and_block_only_while_pending(case: str) -> None:
@@ -159,6 +169,7 @@ def test_pending_collectives_keep_their_buffers_and_block_only_while_pending(cas
     ], proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_uncaught_error_aborts_the_job() -> None:
     # Rank 0 would wait 300 s in its barrier; the abort hook ends the job when rank 1 raises.
@@ -170,6 +181,7 @@ def test_uncaught_error_aborts_the_job() -> None:
     assert not _results(out, "barrier-timeout"), out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_abort_hook_opt_out() -> None:
     # Without the hook, rank 0 is left in its barrier until the (short) timeout.
@@ -184,6 +196,7 @@ def test_abort_hook_opt_out() -> None:
     assert "MPI_Abort" not in out.split("RESULT barrier-timeout")[0], out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_gloo_rendezvous_through_mpi() -> None:
     out = run_mpi(
@@ -195,6 +208,7 @@ def test_gloo_rendezvous_through_mpi() -> None:
     ], out
 
 
+@pytest.mark.slow
 def test_missing_mpi4py_names_pip_install() -> None:
     # Both through gradcomm.init (the registry's check) and importing the backend module directly.
     proc = _plain_python(
@@ -236,6 +250,7 @@ _BAD_ONE_RANK = {  # case: what every rank's message must contain
 _RAISED_AS = {"env_arg": "TypeError", "placement_with_store": "RuntimeError"}  # else ValueError
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     ("backend", "case"),
@@ -261,6 +276,7 @@ def test_a_setting_bad_on_one_rank_raises_on_every_rank(backend: str, case: str)
     assert sorted(_results(out, "after")) == [f"RESULT after rank={r} {total}" for r in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_process_local_communicator_on_one_rank_does_not_wait_for_the_others() -> None:
     out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["local_only"], timeout=60).stdout
@@ -269,6 +285,7 @@ def test_a_process_local_communicator_on_one_rank_does_not_wait_for_the_others()
         "RESULT noagree local_only rank=1 3"], out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_init_after_mpi4py_was_imported_without_mpi_init() -> None:
     port = str(free_port())
@@ -277,6 +294,7 @@ def test_init_after_mpi4py_was_imported_without_mpi_init() -> None:
         f"RESULT noagree info_first rank={r} [3.0, 3.0, 3.0]" for r in range(2)], out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.multiprocess
 def test_torchrun_started_by_mpiexec_does_not_initialise_mpi() -> None:
@@ -294,6 +312,7 @@ def test_torchrun_started_by_mpiexec_does_not_initialise_mpi() -> None:
         for r in range(2)], out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_rank_that_never_joins_the_settings_check_is_a_timeout_not_a_hang() -> None:
     start = time.monotonic()
@@ -307,6 +326,7 @@ def test_a_rank_that_never_joins_the_settings_check_is_a_timeout_not_a_hang() ->
     assert time.monotonic() - start < 45, out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_a_correct_placement_given_on_one_rank_only_still_works(backend: str) -> None:
@@ -318,6 +338,7 @@ def test_a_correct_placement_given_on_one_rank_only_still_works(backend: str) ->
         f"RESULT noagree explicit_on_one_rank rank={r} [3.0, 3.0]" for r in range(2)], out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_init_after_a_timed_out_settings_check_is_refused_not_garbled() -> None:
     out = run_mpi(SCRIPTS / "init_without_agreement.py", 2, ["retry_after_timeout"], timeout=60,

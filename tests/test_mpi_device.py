@@ -222,6 +222,7 @@ def test_default_synchronize_and_conversion_on_cpu(fresh_warning: None) -> None:
 
 
 # ----------------------------------------------------------------------------- real MPI
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_real_mpi_job() -> None:
     from dist_utils import run_mpi

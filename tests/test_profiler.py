@@ -153,6 +153,7 @@ def _gloo_context_manager(rank: int, world_size: int, trace_dir: str) -> list[Op
         return prof.records
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_two_processes(tmp_path: Path) -> None:
     results = run_processes(_gloo_context_manager, 2, str(tmp_path), timeout=90,
@@ -174,6 +175,7 @@ def _gloo_env(rank: int, world_size: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_env_writes_trace_per_rank_at_close(tmp_path: Path) -> None:
     paths = run_processes(_gloo_env, 2, timeout=90, env={
@@ -208,6 +210,7 @@ with open(sys.argv[1].replace("RANK", str(comm.rank)), "w") as f:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpi_backend_under_mpiexec(tmp_path: Path) -> None:
     script = tmp_path / "profile_mpi.py"

@@ -319,6 +319,7 @@ def test_structure_watch_sees_registrations_until_closed() -> None:
     assert not watch.changed
 
 
+@pytest.mark.slow
 def test_a_reducer_lives_as_long_as_what_it_wraps() -> None:
     # Wrapping a module: dropped with it, without remove() (torch does not show tensor hooks to
     # the garbage collector, so strong references from the gradient hooks kept both alive for
@@ -1524,6 +1525,7 @@ def test_recovers_after_a_backward_pass_that_raised(caplog: pytest.LogCaptureFix
     assert sum("ended with an error" in r.getMessage() for r in caplog.records) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_torch_compile_with_reducer_attached_before_or_after_first_call(when: str) -> None:
     def make() -> nn.Module:

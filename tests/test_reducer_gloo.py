@@ -133,6 +133,7 @@ def _gloo_checks(rank: int, world_size: int) -> bytes:
     return _as_bytes(out)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_two_ranks_values() -> None:
     ws = 2

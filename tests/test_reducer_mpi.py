@@ -12,6 +12,7 @@ from dist_utils import TESTS_DIR, run_mpi
 SCRIPT = TESTS_DIR / "mpi_scripts" / "reducer_grads.py"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_reducer_mpi_matches_reference(n: int) -> None:
@@ -20,6 +21,7 @@ def test_reducer_mpi_matches_reference(n: int) -> None:
         assert f"RESULT ok rank={rank} world={n} backend=mpi" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_a_step_that_timed_out_is_never_followed_by_silent_success(

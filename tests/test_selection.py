@@ -287,6 +287,7 @@ def _init_from_env_argument(rank: int, world_size: int) -> list[float]:
         return t.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_init_reads_the_rendezvous_from_the_env_argument() -> None:
     out = run_processes(_init_from_env_argument, 2, timeout=90)
@@ -316,6 +317,7 @@ _NO_MPI4PY = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_mpi_backend_without_mpi4py_names_pip_command() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _NO_MPI4PY], capture_output=True, text=True, timeout=60,
@@ -327,6 +329,7 @@ def test_mpi_backend_without_mpi4py_names_pip_command() -> None:
     assert all("pip install mpi4py" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_import_gradcomm_does_not_import_mpi4py() -> None:
     code = "import sys, gradcomm; gradcomm.available_backends(); print('mpi4py' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -15,6 +15,7 @@ def _avg(rank: int, world_size: int) -> list[float]:
         return t.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_gloo_avg_two_processes() -> None:
     out = run_processes(_avg, 2, timeout=60)

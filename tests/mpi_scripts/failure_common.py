@@ -902,6 +902,7 @@ def make_gloo_tests(cases: list[str], world_size: int = 2, timeout: float = 100.
     def results() -> list[dict[str, Result]]:
         return load_results(run_processes(gloo_child, world_size, cases, 30.0, timeout=timeout))
 
+    @pytest.mark.slow
     @pytest.mark.multiprocess
     @pytest.mark.parametrize("case", cases)
     def test_gloo(results: list[dict[str, Result]], case: str) -> None:
