@@ -39,14 +39,13 @@ from torch.utils.checkpoint import checkpoint
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
-from gradcomm.hooks import (
-    GradientReducer,
-    apply_gradient_allreduce,
+from gradcomm.hooks import GradientReducer, apply_gradient_allreduce
+from gradcomm.hooks._structure import StructureWatch
+from gradcomm.hooks.reducer import (
     default_predivide_factor,
     resolve_first_bucket_cap_mb,
     resolve_in_place_min_mb,
 )
-from gradcomm.hooks._structure import StructureWatch
 
 
 def run_ranks(world_size: int, fn: Callable[[ThreadCommunicator], Any],

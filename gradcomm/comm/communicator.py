@@ -17,6 +17,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from .errors import brief
 from .types import ReduceOp, Support
 from .work import CompletedWork, Description, DescriptionLike, Work, writing_into
 
@@ -67,8 +68,8 @@ def _check_writable(tensor: torch.Tensor, opname: str) -> None:
     ):
         raise ValueError(
             f"{opname}: the tensor has several elements at one memory location (stride 0, e.g. "
-            f"from expand(); shape {tuple(tensor.shape)}, stride {tensor.stride()}), so the result "
-            "cannot be written into it; pass a tensor with memory of its own (.clone())"
+            f"from expand(); shape {tuple(tensor.shape)}, stride {tensor.stride()}); pass a "
+            ".clone()"
         )
 
 
@@ -173,8 +174,8 @@ class Communicator(abc.ABC):
         self._seq = itertools.count()
         # Per (dtype, device) of the tensors seen: the error to raise for them (None: none) and
         # the tail of their descriptions, so a collective's device and dtype checks cost one dict
-        # lookup. ``tensor.device.type`` alone costs ~0.5 us per read (a new str each time), which
-        # call by call between two gloo calls grew to several us (benchmarks/call_overhead.py).
+        # lookup. ``tensor.device.type`` makes a new str on each read, which between two
+        # collectives (cold caches) is a visible share of a call (benchmarks/call_overhead.py).
         self._tensor_kinds: dict[
             tuple[torch.dtype, torch.device], tuple[type[Exception] | None, str, str]
         ] = {}
@@ -231,9 +232,10 @@ class Communicator(abc.ABC):
 
         :class:`~gradcomm.GradientReducer` then reduces large gradients in place, one collective
         each, instead of copying them into a shared bucket (its ``in_place_min_mb``). True for
-        MPI on host memory (an 8-byte all-reduce takes ~6 us on 2 ranks here, and MPI reduces
-        the tensor where it lies); False here, and so for gloo (~160 us, and a handoff to the
-        transport's thread), where the extra collectives cost more than the copies they save.
+        MPI on host memory (a small all-reduce costs microseconds, and MPI reduces the tensor where
+        it lies); False here, and so for gloo (a small all-reduce costs a hundred times more, with
+        a handoff to the transport's thread), where the extra collectives cost more than the
+        copies they save.
         """
         return False
 
@@ -390,9 +392,9 @@ class Communicator(abc.ABC):
             async_op: return at once with a pending :class:`Work`.
 
         Raises:
-            TypeError: not a tensor, sparse, or ``async_op`` not a bool. ValueError: ``src`` out
-                of range, wrong device, or
-            elements that share memory (``expand()``).
+            TypeError: not a tensor, sparse, or ``async_op`` not a bool.
+            ValueError: ``src`` out of range, wrong device, or elements that share memory
+                (``expand()``).
             RuntimeError: the communicator is closed.
         """
         _check_call_args(async_op)
@@ -430,9 +432,9 @@ class Communicator(abc.ABC):
 
         Raises:
             TypeError: not tensors, dtypes differ, or ``async_op`` not a bool.
-            ValueError: ``output.numel()`` is not
-            ``world_size * input.numel()``, wrong device, or ``output``'s elements share memory
-            (``expand()``). RuntimeError: closed.
+            ValueError: ``output.numel()`` is not ``world_size * input.numel()``, wrong device,
+                or ``output``'s elements share memory (``expand()``).
+            RuntimeError: closed.
         """
         _check_call_args(async_op)
         self._check_open()
@@ -552,15 +554,13 @@ class Communicator(abc.ABC):
             done = stalled.is_completed()
         except RuntimeError as exc:
             raise RuntimeError(
-                f"{self.backend} communicator is unusable: {stalled.description}, which timed "
-                f"out, then failed: {exc}"
+                f"{self.backend} communicator is unusable: {brief(stalled.description, 90)}, "
+                f"which timed out, then failed: {brief(str(exc), 60)}"
             ) from exc
         if not done:
             raise RuntimeError(
-                f"{self.backend} communicator is unusable while {stalled.description}, which "
-                "timed out, is still pending: a started collective cannot be cancelled (another "
-                "rank may have died, stopped calling collectives, or issued a different sequence "
-                "of them); wait() on its Work again to finish it"
+                f"{self.backend} communicator is unusable while {brief(stalled.description, 95)}"
+                ", which timed out, is still pending; wait() on its Work again"
             )
         self._stalled = None
 

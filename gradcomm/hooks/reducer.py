@@ -51,7 +51,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm.communicator import Communicator
-from ..comm.errors import CollectiveTimeoutError
+from ..comm.errors import MESSAGE_LIMIT, CollectiveTimeoutError
+from ..comm.errors import brief as _brief
 from ..comm.work import Work
 from ._structure import StructureWatch
 from ._sync import broadcast_tensors, check_fingerprint
@@ -78,6 +79,13 @@ _HALF = (torch.float16, torch.bfloat16)
 # (param.grad is the view), divided at launch.
 _EMPTY, _DIVIDED, _IN_VIEW = 0, 1, 2
 _PRESENCE_LABEL = "presence flags of the in-place gradients"
+
+
+# Closing advice of the errors for a model changed after wrapping (details: docs/failures.md).
+_REBUILD = "change the model before wrapping it (reducer.remove() first)"
+# With the automatic defaults each rank derives first_bucket_cap_mb and in_place_min_mb from its
+# own hardware, which can differ on uneven hosts (docs/failures.md).
+_OPTIONS_ADVICE = "Set them explicitly, the same on every rank."
 
 
 def _first_changed(entries: list[_Entry]) -> str | None:
@@ -142,10 +150,8 @@ def resolve_first_bucket_cap_mb(
     (:attr:`Communicator.background_progress`: NCCL's stream, gloo with a spare core per process).
     Otherwise -- MPI without a progress thread, which advances only inside our polls, or 2 ranks on
     2 cores, where gloo's thread competes with backward for the core -- overlap hides nothing and
-    splitting costs: fewer, larger collectives are cheaper, so bucket 0 gets ``bucket_cap_mb``.
-    Measured on 2 ranks of a 2-core machine (README, Performance, "What moved the numbers"), x
-    DDP with one bucket vs a 1 MiB first bucket, two alternating runs: gloo MLP 0.963/0.960 vs
-    1.019/0.977, transformer 1.001/1.011 vs 1.037/1.045; mpi MLP 0.718/0.717 vs 0.751/0.718.
+    splitting costs: fewer, larger collectives are cheaper, so bucket 0 gets ``bucket_cap_mb``
+    (docs/performance.md says where this was measured).
     """
     if first_bucket_cap_mb is not None:
         return float(first_bucket_cap_mb)
@@ -157,13 +163,9 @@ def resolve_in_place_min_mb(in_place_min_mb: float | None, comm: Communicator) -
     is None, chosen for ``comm``.
 
     Reducing a gradient in place in ``param.grad`` saves copying it into a shared bucket (a pass
-    over its memory: ~0.1 ms per MiB with two ranks on this 2-core machine) and costs one more
-    collective. That pays where collectives are cheap (:attr:`Communicator.cheap_collectives`:
-    MPI on host memory), from 2 MiB up; elsewhere the default is ``math.inf`` (none). Measured
-    on 2 ranks of a 2-core machine with the MLP of ``benchmarks/step_time.py`` (three 4 MiB
-    weights in place, sent at the end of backward), step time against the same reducer with
-    every gradient in one shared bucket, median of the per-step ratio: mpi 0.936 (x the old
-    algorithm: 0.855 against 0.911); gloo 1.075.
+    over its memory) and costs one more collective. That pays where collectives are cheap
+    (:attr:`Communicator.cheap_collectives`: MPI on host memory), from 2 MiB up; elsewhere the
+    default is ``math.inf`` (none). docs/performance.md says where this was measured.
 
     Raises:
         TypeError: not a number (or a bool). ValueError: negative or NaN.
@@ -597,18 +599,12 @@ class GradientReducer:
                     f"strides={_bucket_strides(p)}" for n, p in named]
         entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
         try:
-            check_fingerprint(comm, entries)
+            check_fingerprint(comm, entries, limit=MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 1)
         except ValueError as exc:
             if "GradientReducer option" not in str(exc):
                 raise
             # Every rank saw every rank's entry, so every rank raises this same message.
-            raise ValueError(
-                f"{exc} The ranks' bucket options differ; with first_bucket_cap_mb=None each rank "
-                "picks it from its own comm.background_progress (CPU cores per process, progress "
-                "threads), which differs on uneven hosts, and with in_place_min_mb=None from its "
-                "own comm.cheap_collectives (host or device memory): pass first_bucket_cap_mb, "
-                "in_place_min_mb (and the other options) explicitly, the same on every rank."
-            ) from None
+            raise ValueError(f"{exc} {_OPTIONS_ADVICE}") from None
         if broadcast_parameters:
             broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
 
@@ -756,16 +752,18 @@ class GradientReducer:
         MPI, an abort on gloo).
 
         Raises:
-            ValueError/TypeError: unknown hook name or type. RuntimeError: a backward is in
-            flight, or the first synchronised backward pass has already run.
+            ValueError: unknown hook name.
+            TypeError: a hook that is not a name, CommHook or callable.
+            RuntimeError: a backward is in flight, or the first synchronised backward pass has
+                already run.
         """
         if self._epoch_active:
             raise RuntimeError("cannot change the comm hook while a backward pass is being reduced")
         if self._hook_agreed:
             raise RuntimeError(
-                "register_comm_hook must be called on every rank before the first synchronised "
-                "backward pass (as with DDP): ranks that changed hooks later would pair different "
-                "collectives; build a new GradientReducer (after reducer.remove()) to change it"
+                "register_comm_hook must run on every rank before the first synchronised "
+                "backward pass; to change the hook, call reducer.remove() and build a new "
+                "GradientReducer"
             )
         self._hook = resolve_comm_hook(hook)
         self._hook_state = self._comm if state is None else state
@@ -859,24 +857,18 @@ class GradientReducer:
                                            strict=True):
             if not p.requires_grad:  # frozen after wrapping, maybe on some ranks only
                 raise RuntimeError(
-                    f"parameter {name} was frozen (requires_grad=False) after the GradientReducer "
-                    "was built; a rank that froze it would still receive the other ranks' "
-                    "averaged gradient for it; freeze parameters before wrapping, or call "
-                    "reducer.remove() and build a new GradientReducer"
+                    f"parameter {_brief(name, 60)} was frozen (requires_grad=False) after the "
+                    f"GradientReducer was built; {_REBUILD}"
                 )
             if p.dtype != dtype or p.shape != shape:  # model.double(), p.data = other shape
                 raise RuntimeError(
-                    f"parameter {name} is now {p.dtype} {tuple(p.shape)}, but it was {dtype} "
-                    f"{tuple(shape)} when the GradientReducer was built, and its bucket was sized "
-                    "for that; convert the model before wrapping it, or call reducer.remove() and "
-                    "build a new GradientReducer"
+                    f"parameter {_brief(name, 50)} is now {p.dtype} {tuple(p.shape)}, but it was "
+                    f"{dtype} {tuple(shape)} when the GradientReducer was built; {_REBUILD}"
                 )
         what = _first_changed(self._owners)
         if what is not None:
             raise RuntimeError(
-                f"{what} was replaced on the module after the GradientReducer was built, so "
-                "its gradient would not be reduced (ranks would drift apart); change the model "
-                "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+                f"{_brief(what, 70)} was replaced after the GradientReducer was built; {_REBUILD}"
             )
         if self._module is None or self._watch is None:
             return
@@ -899,10 +891,8 @@ class GradientReducer:
         what = _first_changed(self._links)
         if what is not None:
             raise RuntimeError(
-                f"{what} was replaced, moved or deleted on the module after the "
-                "GradientReducer was built, so this rank may no longer train the parameters "
-                "the reducer averages (ranks would train different models); change the model "
-                "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+                f"{_brief(what, 70)} was replaced, moved or deleted after the GradientReducer was "
+                f"built; {_REBUILD}"
             )
         if changed:
             self._watch_entries(named)  # only frozen parameters came: watch them too
@@ -918,10 +908,8 @@ class GradientReducer:
     @staticmethod
     def _raise_unreduced(name: str) -> None:
         raise RuntimeError(
-            f"parameter {name} was added, replaced or unfrozen on the module after the "
-            "GradientReducer was built, so its gradient would not be reduced (ranks would "
-            "drift apart); change the model before wrapping it, or call reducer.remove() "
-            "and build a new GradientReducer"
+            f"parameter {_brief(name, 60)} was added, replaced or unfrozen after the "
+            f"GradientReducer was built; {_REBUILD}"
         )
 
     # ------------------------------------------------------------------ forward
@@ -950,11 +938,9 @@ class GradientReducer:
     def _begin_epoch(self) -> None:
         if self._failed is not None:
             raise RuntimeError(
-                f"GradientReducer: an earlier backward pass failed ({self._failed}); this reducer "
-                "reduces nothing more, because the other ranks may have completed that step (a "
-                "late rank completes a collective that timed out here) and going on would average "
-                "different steps' gradients. Restart from a checkpoint, with a new communicator "
-                "and reducer."
+                f"GradientReducer: an earlier backward pass failed ({_brief(self._failed, 50)}); "
+                "this reducer reduces nothing more: restart from a checkpoint with a new "
+                "communicator and reducer"
             )
         if not self._hook_agreed:
             self._agree_on_hook()
@@ -971,16 +957,14 @@ class GradientReducer:
         try:
             check_fingerprint(
                 self._comm, [f"GradientReducer comm_hook={_qualified_name(self._hook)}"],
-                problem="the comm hook differs across ranks (checked at the first synchronised "
-                        "backward pass, before any bucket was sent)",
-                fix="Call register_comm_hook with the same hook on every rank, before training.",
+                problem="the comm hook differs across ranks",
+                fix="register the same comm hook on every rank",
                 entry="the comm hook",
             )
         except CollectiveTimeoutError as exc:
             self._mark_failed(f"checking the comm hook timed out: {exc}")
             raise CollectiveTimeoutError(
-                f"checking that every rank uses the same comm hook (at the first synchronised "
-                f"backward pass): {exc}"
+                f"checking that every rank uses the same comm hook: {_brief(str(exc), 140)}"
             ) from exc
         self._hook_agreed = True
 
@@ -1174,11 +1158,8 @@ class GradientReducer:
         if failed_elsewhere is not None:
             raise RuntimeError(
                 f"GradientReducer: the backward pass of this step raised on another rank, which "
-                f"sent the rest of its buckets marked as failed ({failed_elsewhere} and after); "
-                "the gradients of this step are not averaged (those of later buckets were not "
-                "written back). Every rank's backward of this step raised (this error here, "
-                "the original one there): handle it alike on every rank -- skip the step "
-                "(optimizer.zero_grad()) or redo it -- and the ranks stay in step"
+                f"marked {_brief(failed_elsewhere, 50)} and later buckets as failed; skip or redo "
+                "this step alike on every rank"
             )
 
     def _overlapping_grads(self) -> frozenset[int]:
@@ -1386,9 +1367,8 @@ def _on_grad_ready(ref: _ReducerRef, pid: int, param: torch.Tensor) -> None:
             reducer._abort_epoch()
             raise RuntimeError(
                 f"the gradient of {reducer._names[pid]} was accumulated again after "
-                f"{bucket.label()} was sent in this backward pass; this happens when a "
-                "parameter is used both inside and outside a reentrant activation checkpoint "
-                "(use torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
+                f"{_brief(bucket.label(), 40)} was sent; a parameter used inside and outside a "
+                "reentrant checkpoint does this (use checkpoint(..., use_reentrant=False))"
             )
         reducer._stage(bucket, slot)  # accumulated again before the bucket left: copy again
         return

@@ -17,7 +17,7 @@ int64 (cpu)
 bool (cpu)                      native         SUM and MAX are logical or, PRODUCT and MIN
                                                logical and (MPI_C_BOOL with LOR / LAND)
 float16, bfloat16 (cpu)         emulated-slow  MPI has no bfloat16 and MPICH's float16 SUM is
-                                               slow (8x slower than float32 here). With 2
+                                               much slower than float32's. With 2
                                                ranks, and for MIN/MAX at any size: a
                                                user-defined MPI op adds the 16-bit data with
                                                torch (one rounding per element, so the result
@@ -143,11 +143,11 @@ _USER_OP_MAX_WORLD = 2
 
 # Polling schedule of MPIWork.wait, in bursts of _TESTS_PER_CHECK Test() calls: back to back
 # for _YIELD_AFTER_S seconds (small and medium messages finish here), then separated by
-# sched_yield() (a peer rank sharing this core gets to run; measured with two ranks on two busy
-# cores, this beat a pure Test() spin at 16 MiB and lost nothing at 1 MiB) until _SPIN_S, then by
+# sched_yield() (a peer rank sharing this core gets to run; with ranks on busy cores this beat a
+# pure Test() spin on large messages and lost nothing on medium ones) until _SPIN_S, then by
 # sleeps doubling from _SLEEP_START_S up to _SLEEP_CAP_S, so a rank waiting for a late or dead
 # peer stops burning a core. A transfer progresses only when Test() is called, so the yielding
-# phase is long enough for any usual bucket (25 MiB takes ~25 ms here).
+# phase is long enough for any usual bucket (a 25 MiB one included).
 _TESTS_PER_CHECK = 16
 _YIELD_AFTER_S = 1e-3
 _SPIN_S = 1.0
@@ -655,9 +655,9 @@ class MPICommunicator(Communicator):
         # A CUDA communicator only ever sees CUDA tensors (_check_tensor), so "has an adapter"
         # means "device tensor"; tests give a CPU communicator a fake adapter to run this path.
         if self._adapter is None:
-            # A raw view of the tensor's memory (the Work keeps the tensor alive): ~0.2 us per
-            # call against ~0.5 us for wire.numpy(), whose cost grew to ~6 us per 1 MiB call
-            # between collectives (benchmarks/call_overhead.py).
+            # A raw view of the tensor's memory (the Work keeps the tensor alive): cheaper than
+            # wire.numpy(), whose cost grows between large collectives (cold caches;
+            # benchmarks/call_overhead.py).
             return _MPI_BUFFER.fromaddress(wire.data_ptr(), wire.nbytes), None
         buf, finish = self._adapter.prepare(wire, read=read, write=write)
         return buf, finish
