@@ -938,9 +938,8 @@ class GradientReducer:
     def _begin_epoch(self) -> None:
         if self._failed is not None:
             raise RuntimeError(
-                f"GradientReducer: an earlier backward pass failed ({_brief(self._failed, 50)}); "
-                "this reducer reduces nothing more: restart from a checkpoint with a new "
-                "communicator and reducer"
+                f"GradientReducer: an earlier backward pass failed ({_brief(self._failed, 85)}); "
+                "restart from a checkpoint with a new communicator and reducer"
             )
         if not self._hook_agreed:
             self._agree_on_hook()
