@@ -56,6 +56,7 @@ from torch import nn
 from tqdm import tqdm
 
 import gradcomm
+from gradcomm.comm import detect_launch
 from gradcomm.hooks import PowerSGDState
 
 log = logging.getLogger("train_digits")
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     # Share the host's cores among the ranks on it (2 ranks on 2 cores: one thread each).
-    launch = gradcomm.detect_launch()
+    launch = detect_launch()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
     setup_logging(launch.rank, args.log_level)
 

@@ -9,32 +9,32 @@ Quick start::
     optimizer.step()
 """
 
-import logging
+import logging as _logging
 
 __version__ = "0.1.0"
 
-from . import profiler
+from . import profiler  # noqa: F401 - gradcomm.profiler stays one attribute away
 from .comm import (
     BackendUnavailableError,
     CollectiveTimeoutError,
     Communicator,
-    LaunchInfo,
     ReduceOp,
     SlowPathWarning,
     Support,
     SupportLevel,
     Work,
     available_backends,
-    detect_launch,
     init,
     register_backend,
 )
-from .hooks import CommHook, GradientReducer, apply_gradient_allreduce
+from .hooks import GradientReducer, apply_gradient_allreduce
 
 # A library logs, it does not print; the application decides where records go (logging HOWTO,
 # "Configuring Logging for a Library").
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
+# What a training script needs, and no more: launcher details (detect_launch, LaunchInfo), comm
+# hooks (CommHook, ...) and the profiler live in gradcomm.comm, gradcomm.hooks, gradcomm.profiler.
 __all__ = [
     "__version__",
     "init",
@@ -43,8 +43,6 @@ __all__ = [
     "ReduceOp",
     "Support",
     "SupportLevel",
-    "LaunchInfo",
-    "detect_launch",
     "available_backends",
     "register_backend",
     "CollectiveTimeoutError",
@@ -52,6 +50,4 @@ __all__ = [
     "SlowPathWarning",
     "GradientReducer",
     "apply_gradient_allreduce",
-    "CommHook",
-    "profiler",
 ]

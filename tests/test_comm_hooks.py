@@ -24,8 +24,8 @@ from gradcomm.hooks import (
     GradientReducer,
     allreduce_hook,
     compress_wrapper,
-    resolve_comm_hook,
 )
+from gradcomm.hooks.comm_hooks import resolve_comm_hook
 
 
 def _run(world_size: int, fn: Any) -> list[Any]:

@@ -39,14 +39,13 @@ from torch.utils.checkpoint import checkpoint
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
-from gradcomm.hooks import (
-    GradientReducer,
-    apply_gradient_allreduce,
+from gradcomm.hooks import GradientReducer, apply_gradient_allreduce
+from gradcomm.hooks._structure import StructureWatch
+from gradcomm.hooks.reducer import (
     default_predivide_factor,
     resolve_first_bucket_cap_mb,
     resolve_in_place_min_mb,
 )
-from gradcomm.hooks._structure import StructureWatch
 
 
 def run_ranks(world_size: int, fn: Callable[[ThreadCommunicator], Any],
@@ -117,8 +116,8 @@ def test_a_gradient_hook_registered_before_the_reducer_is_part_of_the_sum(
 ) -> None:
     # A post-accumulate-grad hook of the user's (per-parameter clipping, noise) that runs before
     # the reducer's changes what is reduced, on every path: shared buckets copy the gradient in
-    # the reducer's hook, in-place ones read it at the end of backward (README: such hooks go
-    # before the reducer).
+    # the reducer's hook, in-place ones read it at the end of backward (docs/reducer.md: such
+    # hooks go before the reducer).
     ref = reference_grads(2)
 
     def double(p: torch.Tensor) -> None:

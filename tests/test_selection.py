@@ -13,20 +13,18 @@ import torch
 
 import gradcomm
 from gradcomm.comm import (
-    DEFAULT_TIMEOUT,
     BackendUnavailableError,
     Communicator,
     Launcher,
     LaunchInfo,
     available_backends,
-    known_backends,
     register_backend,
     registry,
-    resolve_timeout,
     select_backend,
 )
 from gradcomm.comm.backends.threads import ThreadGroup
-from gradcomm.comm.selection import init
+from gradcomm.comm.registry import known_backends
+from gradcomm.comm.selection import DEFAULT_TIMEOUT, init, resolve_timeout
 
 from dist_utils import REPO_ROOT, run_processes
 

@@ -7,22 +7,14 @@ add a backend, and :func:`detect_launch` for launcher detection.
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
 from .launcher import Launcher, LaunchInfo, detect_launch
-from .registry import (
-    BackendStatus,
-    available_backends,
-    check_backend,
-    create_communicator,
-    known_backends,
-    register_backend,
-)
-from .selection import DEFAULT_TIMEOUT, BackendChoice, init, resolve_timeout, select_backend
+from .registry import BackendStatus, available_backends, register_backend
+from .selection import BackendChoice, init, select_backend
 from .types import ReduceOp, Support, SupportLevel
-from .work import CompletedWork, Work
+from .work import Work
 
 __all__ = [
     "Communicator",
     "Work",
-    "CompletedWork",
     "ReduceOp",
     "Support",
     "SupportLevel",
@@ -34,13 +26,8 @@ __all__ = [
     "detect_launch",
     "BackendStatus",
     "available_backends",
-    "known_backends",
-    "check_backend",
-    "create_communicator",
     "register_backend",
     "BackendChoice",
     "select_backend",
-    "resolve_timeout",
     "init",
-    "DEFAULT_TIMEOUT",
 ]

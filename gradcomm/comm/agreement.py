@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .env_flag import env_flag
-from .errors import BackendUnavailableError, CollectiveTimeoutError
+from .errors import BackendUnavailableError, CollectiveTimeoutError, brief
 from .launcher import launch_mismatch, started_by_mpi_launcher
 from .mpi_abort import ABORT_ENV_VAR, install_abort_hook
 
@@ -58,11 +58,8 @@ def _wait(request: Any, keep: tuple[Any, ...], deadline: float, timeout: float, 
             _abandoned.append((request, keep))
             raise CollectiveTimeoutError(
                 f"gradcomm.init: not every rank reached the settings check within {timeout:g} s "
-                f"(MPI rank {rank} of {size}); a rank may have died, not called gradcomm.init, "
-                "called it for a process-local communicator (world_size=1, or an env without "
-                "the launcher's variables) while the others build a job-wide one, or given up "
-                "waiting before this one arrived. The check's MPI request stays pending: end the "
-                "job (gradcomm.init cannot be retried in this process under this launcher)"
+                f"(MPI rank {rank} of {size}); its MPI request stays pending, so end the job: "
+                "init cannot be retried in this process"
             )
         time.sleep(_POLL_S)
 
@@ -142,10 +139,11 @@ def agree_on_settings(
         if problem is not None:
             raise problem
         kind = _RAISED_AS.get(failed[0][1][0], RuntimeError)
-        details = "; ".join(f"rank {r}: {name}: {msg}" for r, (name, msg) in failed[:4])
-        more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
-        raise kind(f"gradcomm.init failed on {len(failed)} of {len(views)} ranks "
-                   f"({details}{more}); raised on every rank so that none waits for the others")
+        rank, (name, msg) = failed[0]  # the first failed rank's error; its own traceback has all
+        more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        raise kind(f"gradcomm.init failed on {len(failed)} of {len(views)} ranks (rank {rank}"
+                   f"{more}: {name}: {brief(msg, 110)}); raised "
+                   "on every rank so that none waits")
     chosen = [tuple(m) for _, m in views]
     backends = [c[0] for c in chosen]
     if len(set(backends)) > 1:

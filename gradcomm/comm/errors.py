@@ -25,3 +25,13 @@ class SlowPathWarning(UserWarning):
 
     Issued once per (backend, dtype, device).
     """
+
+
+#: Longest error message gradcomm raises; the longer explanations are in docs/failures.md.
+MESSAGE_LIMIT = 200
+
+
+def brief(text: str, width: int) -> str:
+    """``text`` cut to at most ``width`` characters, so a message that quotes another (a name, a
+    transport's error) stays within :data:`MESSAGE_LIMIT`."""
+    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."

@@ -157,9 +157,12 @@ def detect_launch(
 
     Args:
         env: the environment to read (default: :data:`os.environ`).
-        rank, world_size: explicit values; given together they win over every variable.
-        local_rank, local_world_size: explicit local values (default: from the launcher, else
-            ``rank`` and ``world_size``, i.e. all processes on one host).
+        rank: explicit rank; given with ``world_size`` it wins over every variable.
+        world_size: explicit number of ranks.
+        local_rank: explicit rank on this host (default: from the launcher, else ``rank``, i.e.
+            all processes on one host).
+        local_world_size: explicit ranks on this host (default: from the launcher, else
+            ``world_size``).
 
     Returns:
         A :class:`LaunchInfo`. A launcher that gives no local rank is read as all ranks on one host;
@@ -282,11 +285,10 @@ def launch_mismatch(
     wrong = [v for v in views if (v[0], v[1]) != (v[2], v[3])]
     if not wrong:
         return None
-    details = "; ".join(f"MPI rank {m} of {n}: {source} settings say rank {r} of {w}"
-                        for m, n, r, w in wrong[:4])
-    more = f" (and {len(wrong) - 4} more ranks)" if len(wrong) > 4 else ""
+    m, n, r, w = wrong[0]
+    more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
     return RuntimeError(
-        f"the launch settings disagree with MPI on {len(wrong)} of {len(views)} ranks: "
-        f"{details}{more}; start the job with mpiexec/mpirun (or srun with MPI) and let "
-        "gradcomm take rank and world_size from MPI"
+        f"the launch settings disagree with MPI on {len(wrong)} of {len(views)} ranks: MPI rank "
+        f"{m} of {n}: {source} settings say rank {r} of {w}{more}; let gradcomm take rank and "
+        "world_size from MPI"
     )

@@ -158,8 +158,10 @@ def init(
             ``GRADCOMM_BACKEND``, else nccl with CUDA, else gloo.
         timeout: seconds every collective may take before raising CollectiveTimeoutError; default
             ``GRADCOMM_TIMEOUT``, else 300.
-        rank, world_size, local_rank: explicit placement; default read from the launcher's
-            environment (torchrun, mpirun/mpiexec, srun), else a single process.
+        rank: explicit rank; default read from the launcher's environment (torchrun,
+            mpirun/mpiexec, srun), else a single process.
+        world_size: explicit number of ranks (same default).
+        local_rank: explicit rank on this host (same default).
         device: device of the tensors to reduce; default the backend's (cpu for gloo and mpi,
             ``cuda:local_rank`` for nccl and cupy-nccl). ``"cuda"`` with mpi passes GPU buffers.
         env: environment to read (default os.environ): the launcher's variables (rank, world

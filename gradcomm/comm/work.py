@@ -31,10 +31,10 @@ class Description:
     ``str(d)`` is e.g. ``"all_reduce #3 SUM bucket 0 of 1024 torch.float32 on cpu (mpi, rank
     0/2)"``: the operation, this communicator's sequence number, ``extra`` (a
     :class:`~gradcomm.ReduceOp` is shown by name), ``label``, the element count and ``tail`` (dtype,
-    device and group, from the communicator's cache). Formatting is a visible share of a small
-    collective's cost, above all between large ones whose traffic leaves the caches cold
-    (benchmarks/call_overhead.py), and the text is almost never read, so collectives keep the
-    parts and :class:`Work` formats them on demand.
+    device and group, from the communicator's cache). Formatting is cheap when warm but not between
+    two large collectives, whose traffic leaves the caches cold (benchmarks/call_overhead.py), and
+    the text is almost never read, so collectives keep the parts and :class:`Work` formats them
+    on demand.
     """
 
     __slots__ = ("_extra", "_label", "_numel", "_opname", "_seq", "_tail", "_text")
@@ -203,12 +203,12 @@ class Work(abc.ABC):
             if self._on_timeout is not None:
                 self._on_timeout(self)
             cut = "" if applied == limit else (
-                f" (the communicator's timeout, which its transport enforces; the wait asked for "
+                f" (the communicator's timeout; the wait asked for "
                 f"{'no limit' if limit is None else f'{limit} s'})"
             )
             raise CollectiveTimeoutError(
-                f"{self.description} did not complete within {applied} s{cut}; another rank may "
-                "have died, stopped calling collectives, or issued a different sequence of them"
+                f"{self.description} did not complete within {applied} s{cut}; a rank may have "
+                "died or stalled"
             ) from exc
         self._finish()
 

@@ -16,25 +16,14 @@ from .comm_hooks import (
     compress_wrapper,
     fp16_compress_hook,
     fp16_compress_wrapper,
-    resolve_comm_hook,
 )
 from .powersgd import PowerSGDState, powersgd_hook
-from .reducer import (
-    BucketInfo,
-    GradientReducer,
-    apply_gradient_allreduce,
-    default_predivide_factor,
-    resolve_first_bucket_cap_mb,
-    resolve_in_place_min_mb,
-)
+from .reducer import BucketInfo, GradientReducer, apply_gradient_allreduce
 
 __all__ = [
     "GradientReducer",
     "BucketInfo",
     "apply_gradient_allreduce",
-    "default_predivide_factor",
-    "resolve_first_bucket_cap_mb",
-    "resolve_in_place_min_mb",
     "CommHook",
     "CommHookFn",
     "GradBucket",
@@ -44,7 +33,6 @@ __all__ = [
     "compress_wrapper",
     "fp16_compress_wrapper",
     "bf16_compress_wrapper",
-    "resolve_comm_hook",
     "PowerSGDState",
     "powersgd_hook",
 ]

@@ -3,7 +3,7 @@
 The :class:`~gradcomm.GradientReducer` must refuse to train a module whose parameters changed
 after it was wrapped (a new trainable parameter's gradient would stay local and the ranks would
 drift apart). Walking ``module.named_parameters()`` before every forward finds such parameters
-but costs ~50 us per forward on a 51-parameter transformer (2/3 of the check). Every way that
+but is most of the check's cost on a model with many parameters. Every way that
 public torch code adds or replaces a parameter or submodule -- ``setattr``,
 ``register_parameter``/``add_module``, ``load_state_dict(assign=True)``, parametrizations -- runs
 torch's global registration hooks

@@ -11,17 +11,20 @@ sync.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 
 import torch
 
 from ..comm.communicator import Communicator
+from ..comm.errors import MESSAGE_LIMIT, brief
 
 __all__ = ["check_fingerprint", "broadcast_tensors"]
 
 _DESC_BYTES = 256  # bytes of the description exchanged for the first differing entry
 _ALIGN = 16  # byte alignment of each tensor inside a packed broadcast buffer
 _CHUNK_BYTES = 64 * 2**20  # packed broadcast buffers are at most this large (or one tensor)
+_NO_ENTRY = "<no such entry>"
 
 
 def _digest(text: str) -> int:
@@ -42,21 +45,26 @@ def check_fingerprint(
     comm: Communicator,
     entries: Sequence[str],
     *,
-    problem: str = "the model differs across ranks (checked before any other collective)",
-    fix: str = "Build the same model, with the same options, on every rank.",
-    entry: str = "name shape dtype layout, or the reducer's options",
+    problem: str = "the model differs across ranks",
+    fix: str = "build the same model, with the same options, on every rank",
+    entry: str | None = None,
+    limit: int = MESSAGE_LIMIT,
 ) -> None:
     """Check that every rank holds the same ``entries`` (e.g. ``"name shape dtype"`` per tensor).
 
     Args:
         comm: the communicator; at world_size 1 nothing is exchanged.
         entries: one description per parameter/buffer, in registration order.
-        problem, fix: the error message's opening words and closing advice.
-        entry: what an entry describes, named in the message after its index.
+        problem: the error message's opening words.
+        fix: the closing advice, kept when the message has room for it.
+        entry: what an entry describes, named after its index (default: the words the
+            differing entries start with, e.g. ``param 1.weight``).
+        limit: the message's length at most, in characters.
 
     Raises:
         ValueError: on every rank, when the entries differ; the message names the index of the
-            first difference and what each differing rank has there (or that it has fewer entries).
+            first difference and what rank 0 and the first rank that differs have there (only the
+            words that differ, or ``'<no such entry>'`` where a rank has fewer entries).
     """
     if comm.world_size == 1:
         return
@@ -78,7 +86,7 @@ def check_fingerprint(
         if not all(present) or bool((table[:, j] != table[0, j]).any()):
             first = j
             break
-    text = entries[first] if first < len(entries) else "<no such entry>"
+    text = entries[first] if first < len(entries) else _NO_ENTRY
     raw = text.encode()[: _DESC_BYTES]
     desc = torch.zeros(_DESC_BYTES, dtype=torch.uint8)
     desc[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -86,10 +94,52 @@ def check_fingerprint(
     texts = [bytes(descs[r * _DESC_BYTES:(r + 1) * _DESC_BYTES].tolist()).rstrip(b"\0")
              .decode(errors="replace") for r in range(ws)]
     differing = [r for r in range(ws) if texts[r] != texts[0] or counts[r] != counts[0]]
-    shown = "; ".join(f"rank {r}: {texts[r]!r} ({counts[r]} entries)" for r in [0, *differing])
-    raise ValueError(
-        f"{problem}: first difference at entry #{first} ({entry}): {shown}. {fix}"
-    )
+    raise ValueError(_mismatch_message(problem, fix, entry, first, texts, counts, differing[0],
+                                       len(differing) - 1, limit))
+
+
+def _words(text: str) -> list[str]:
+    # A parenthesised group is one word: "(2, 4)", "strides=(4, 1)".
+    return re.findall(r"[^\s(]*\([^)]*\)|\S+", text)
+
+
+def _mismatch_message(problem: str, fix: str, entry: str | None, first: int, texts: list[str],
+                      counts: list[int], other: int, more: int, limit: int) -> str:
+    """At most ``limit`` characters naming where rank 0 and rank ``other`` differ."""
+    a, b = texts[0], texts[other]
+    if a == _NO_ENTRY or b == _NO_ENTRY or not a or not b:
+        shown_a, shown_b, context = a, b, entry or ""
+        if entry is None:  # name the entry by its first words and show the rest
+            words = _words(b if a == _NO_ENTRY else a)
+            context, rest = " ".join(words[:2]), " ".join(words[2:])
+            shown_a, shown_b = (a, rest) if a == _NO_ENTRY else (rest, b)
+    else:
+        wa, wb = _words(a), _words(b)
+        common = 0
+        while common < min(len(wa), len(wb)) and wa[common] == wb[common]:
+            common += 1
+        context = entry or " ".join(wa[: min(common, 2)])
+        if len(wa) == len(wb):  # show only the words that differ
+            shown_a = " ".join(x for x, y in zip(wa, wb, strict=True) if x != y)
+            shown_b = " ".join(y for x, y in zip(wa, wb, strict=True) if x != y)
+        else:
+            shown_a, shown_b = " ".join(wa[common:]), " ".join(wb[common:])
+    sizes = (f" ({counts[0]} entries)", f" ({counts[other]} entries)") \
+        if counts[0] != counts[other] else ("", "")
+    tail = f" and {more} more rank(s)" if more else ""
+
+    def build(ctx: str, x: str, y: str, advice: str) -> str:
+        return (f"{problem} at entry #{first} ({ctx}): rank 0{sizes[0]} has {x!r}; "
+                f"rank {other}{sizes[1]} has {y!r}{tail}{advice}")
+
+    # What differs is kept whole where it fits; the entry's name is cut first, then the advice.
+    for advice in (f"; {fix}", ""):
+        room = limit - len(build("", shown_a, shown_b, advice))
+        if room >= min(len(context), 24):
+            return build(brief(context, room), shown_a, shown_b, advice)
+    ctx = brief(context, 40)
+    room = (limit - len(build(ctx, "", "", ""))) // 2
+    return brief(build(ctx, brief(shown_a, room), brief(shown_b, room), ""), limit)
 
 
 def broadcast_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], src: int = 0) -> None:

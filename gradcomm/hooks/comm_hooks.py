@@ -22,8 +22,9 @@ Accumulation dtype of the compression hooks: the sum is computed by the transpor
 (float16 or bfloat16) -- gloo adds 16-bit values element by element, rounding each partial sum to
 the wire dtype; a backend whose ``supports(dtype).transfer_dtype`` is wider (e.g. an MPI backend
 that upcasts to float32) accumulates in that wider dtype. The result is then cast back to the
-bucket's dtype. The reducer's pre-divide (see :func:`~gradcomm.hooks.default_predivide_factor`)
-keeps float16 partial sums in range, "to avoid overflow" as the DDP fp16 hook puts it.
+bucket's dtype. The reducer's pre-divide
+(see :func:`~gradcomm.hooks.reducer.default_predivide_factor`) keeps float16 partial sums in
+range, "to avoid overflow" as the DDP fp16 hook puts it.
 
 The bucket buffer holds exactly the bucket's gradients, flattened in parameter order: the
 reducer's own state (which ranks have which gradient, whether a rank's backward failed) travels in
@@ -46,7 +47,7 @@ from typing import Any, TypeAlias
 import torch
 
 from ..comm.communicator import Communicator
-from ..comm.errors import SlowPathWarning
+from ..comm.errors import SlowPathWarning, brief
 from ..comm.types import ReduceOp
 from ..comm.work import Work
 
@@ -117,6 +118,7 @@ class GradBucket:
     def label(self) -> str:
         """Short text naming the bucket and its first parameters, for messages."""
         names = ", ".join(self.param_names[:3])
+        names = brief(names, 40)  # long module paths: errors that quote the label stay short
         more = f" and {len(self.param_names) - 3} more" if len(self.param_names) > 3 else ""
         return f"bucket {self.bucket_index} ({names}{more})"
 

@@ -1,10 +1,12 @@
 """An in-process backend: ``world_size`` ranks as threads of one process, for fast logic tests.
 
-Not for training: it exists so the gradient hook manager's logic can be tested without spawning
-processes (as PyTorch's own thread-based distributed tests do). Each rank has one worker thread that
-runs its collectives in the order they were issued, so a mismatch between ranks shows as a timeout,
-as it would on a real transport. Reductions are computed in rank order on every rank, so results are
-bit-identical across ranks.
+Private: a test double, not one of gradcomm's backends. It is not registered (``gradcomm.init``
+cannot build it, ``available_backends()`` does not list it), not in the API reference, and may
+change at any time. Not for training: it exists so the gradient hook manager's logic can be tested
+without spawning processes (as PyTorch's own thread-based distributed tests do). Each rank has one
+worker thread that runs its collectives in the order they were issued, so a mismatch between ranks
+shows as a timeout, as it would on a real transport. Reductions are computed in rank order on every
+rank, so results are bit-identical across ranks.
 """
 
 from __future__ import annotations
