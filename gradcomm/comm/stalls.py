@@ -8,6 +8,7 @@ stalled collective that then fails leaves it unusable for good.
 
 from __future__ import annotations
 
+from .errors import brief
 from .work import Work
 
 __all__ = ["StallGuard"]
@@ -54,9 +55,8 @@ class StallGuard:
             ) from exc
         if not done:
             raise RuntimeError(
-                f"{self._backend} communicator is unusable while {stalled.description}, which "
-                "timed out, is still pending: a started collective cannot be cancelled (another "
-                "rank may have died, stopped calling collectives, or issued a different sequence "
-                "of them); wait() on its Work again to finish it"
+                f"{self._backend} communicator is unusable while "
+                f"{brief(str(stalled.description), 70)}, which timed out, is still pending; "
+                "wait() on its Work again"
             )
         self.stalled = None

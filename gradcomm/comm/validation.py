@@ -51,8 +51,8 @@ def check_writable(tensor: torch.Tensor, opname: str) -> None:
     ):
         raise ValueError(
             f"{opname}: the tensor has several elements at one memory location (stride 0, e.g. "
-            f"from expand(); shape {tuple(tensor.shape)}, stride {tensor.stride()}), so the result "
-            "cannot be written into it; pass a tensor with memory of its own (.clone())"
+            f"from expand(); shape {tuple(tensor.shape)}, stride {tensor.stride()}); pass a "
+            ".clone()"
         )
 
 

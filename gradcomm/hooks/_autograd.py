@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..comm.errors import brief
+
 if TYPE_CHECKING:
     from ._backward import BackwardPass
     from .reducer import GradientReducer
@@ -136,10 +138,9 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
         if bucket.work is not None:
             bw.abort()
             raise RuntimeError(
-                f"the gradient of {bw.names[pid]} was accumulated again after "
-                f"{bucket.label()} was sent in this backward pass; this happens when a "
-                "parameter is used both inside and outside a reentrant activation checkpoint "
-                "(use torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
+                f"the gradient of {brief(bw.names[pid], 50)} was accumulated again after "
+                f"{brief(bucket.label(), 40)} was sent; a parameter used inside and outside a "
+                "reentrant checkpoint does this (use checkpoint(..., use_reentrant=False))"
             )
         bucket.stage(slot)  # accumulated again before the bucket left: copy again
         return

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm.communicator import Communicator
-from ..comm.errors import CollectiveTimeoutError
+from ..comm.errors import CollectiveTimeoutError, brief
 from ..comm.work import Work
 from ._autograd import BackwardEnd, current_autograd_node, queue_engine_callback
 from ._buckets import Bucket, overlapping_grads
@@ -60,9 +60,8 @@ class CommHookSlot:
         """
         check_fingerprint(
             comm, [f"GradientReducer comm_hook={qualified_name(self.fn)}"],
-            problem="the comm hook differs across ranks (checked at the first synchronised "
-                    "backward pass, before any bucket was sent)",
-            fix="Call register_comm_hook with the same hook on every rank, before training.",
+            problem="the comm hook differs across ranks",
+            fix="register the same comm hook on every rank",
             entry="the comm hook",
         )
         self.agreed = True
@@ -162,11 +161,8 @@ class BackwardPass:
         """
         if self.failed is not None:
             raise RuntimeError(
-                f"GradientReducer: an earlier backward pass failed ({self.failed}); this reducer "
-                "reduces nothing more, because the other ranks may have completed that step (a "
-                "late rank completes a collective that timed out here) and going on would average "
-                "different steps' gradients. Restart from a checkpoint, with a new communicator "
-                "and reducer."
+                f"GradientReducer: an earlier backward pass failed ({brief(self.failed, 85)}); "
+                "restart from a checkpoint with a new communicator and reducer"
             )
         if not self.hook.agreed:
             # register_comm_hook is a local call: before the first bucket is sent, every rank
@@ -279,11 +275,9 @@ class BackwardPass:
             observer.step()  # a profiled step ends when its backward's buckets are reduced
         if failed_elsewhere:
             raise RuntimeError(
-                "GradientReducer: the backward pass of this step raised on another rank (its "
-                "control tensor said so); no gradient of this step was written back. Every "
-                "rank's backward of this step raised (this error here, the original one there): "
-                "handle it alike on every rank -- skip the step (optimizer.zero_grad()) or redo "
-                "it -- and the ranks stay in step"
+                "GradientReducer: the backward pass of this step raised on another rank; no "
+                "gradient of this step was written back; skip or redo this step alike on every "
+                "rank"
             )
 
     def _wait(self, work: Work, label: str) -> None:

@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
+from ..comm.errors import brief
 from ._structure import StructureWatch
+
+# Closing advice of the errors for a model changed after wrapping (details: docs/failures.md).
+_REBUILD = "change the model before wrapping it (reducer.remove() first)"
 
 __all__ = ["ModelGuard", "named_params", "trainable_params"]
 
@@ -105,10 +109,8 @@ def trainable_params(
 
 def _raise_unreduced(name: str) -> NoReturn:
     raise RuntimeError(
-        f"parameter {name} was added, replaced or unfrozen on the module after the "
-        "GradientReducer was built, so its gradient would not be reduced (ranks would "
-        "drift apart); change the model before wrapping it, or call reducer.remove() "
-        "and build a new GradientReducer"
+        f"parameter {brief(name, 60)} was added, replaced or unfrozen after the "
+        f"GradientReducer was built; {_REBUILD}"
     )
 
 
@@ -180,24 +182,18 @@ class ModelGuard:
         for name, p, (dtype, shape) in zip(self.names, self.params, self._layouts, strict=True):
             if not p.requires_grad:  # frozen after wrapping, maybe on some ranks only
                 raise RuntimeError(
-                    f"parameter {name} was frozen (requires_grad=False) after the GradientReducer "
-                    "was built; a rank that froze it would still receive the other ranks' "
-                    "averaged gradient for it; freeze parameters before wrapping, or call "
-                    "reducer.remove() and build a new GradientReducer"
+                    f"parameter {brief(name, 60)} was frozen (requires_grad=False) after the "
+                    f"GradientReducer was built; {_REBUILD}"
                 )
             if p.dtype != dtype or p.shape != shape:  # model.double(), p.data = other shape
                 raise RuntimeError(
-                    f"parameter {name} is now {p.dtype} {tuple(p.shape)}, but it was {dtype} "
-                    f"{tuple(shape)} when the GradientReducer was built, and its bucket was sized "
-                    "for that; convert the model before wrapping it, or call reducer.remove() and "
-                    "build a new GradientReducer"
+                    f"parameter {brief(name, 50)} is now {p.dtype} {tuple(p.shape)}, but it was "
+                    f"{dtype} {tuple(shape)} when the GradientReducer was built; {_REBUILD}"
                 )
         what = _first_changed(self._owners)
         if what is not None:
             raise RuntimeError(
-                f"{what} was replaced on the module after the GradientReducer was built, so "
-                "its gradient would not be reduced (ranks would drift apart); change the model "
-                "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+                f"{brief(what, 70)} was replaced after the GradientReducer was built; {_REBUILD}"
             )
         if self.module is None or self.watch is None:
             return
@@ -220,10 +216,8 @@ class ModelGuard:
         what = _first_changed(self._links)
         if what is not None:
             raise RuntimeError(
-                f"{what} was replaced, moved or deleted on the module after the "
-                "GradientReducer was built, so this rank may no longer train the parameters "
-                "the reducer averages (ranks would train different models); change the model "
-                "before wrapping it, or call reducer.remove() and build a new GradientReducer"
+                f"{brief(what, 60)} was replaced, moved or deleted after the GradientReducer was "
+                f"built; {_REBUILD}"
             )
         if changed:
             self._watch_entries(named)  # only frozen parameters came: watch them too

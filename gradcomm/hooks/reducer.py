@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm.communicator import Communicator
+from ..comm.errors import MESSAGE_LIMIT, brief
 from ._autograd import ForwardPreHook, PassRef, StrongRef, before_accumulate, on_grad_ready
 from ._backward import BackwardPass, CommHookSlot
 from ._buckets import (
@@ -82,6 +83,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("gradcomm.hooks")
+
+# With the automatic defaults each rank derives first_bucket_cap_mb and in_place_min_mb from its
+# own hardware, which can differ on uneven hosts (docs/failures.md).
+_OPTIONS_ADVICE = "set first_bucket_cap_mb and in_place_min_mb explicitly, the same on every rank"
 
 
 def _no_reducer() -> None:
@@ -116,11 +121,7 @@ def _agree_on_model(comm: Communicator, module: nn.Module | None, named: list[tu
             raise
         # Every rank saw every rank's entry, so every rank raises this same message.
         raise ValueError(
-            f"{exc} The ranks' bucket options differ; with first_bucket_cap_mb=None each rank "
-            "picks it from its own comm.background_progress (CPU cores per process, progress "
-            "threads), which differs on uneven hosts, and with in_place_min_mb=None from its "
-            "own comm.cheap_collectives (host or device memory): pass first_bucket_cap_mb, "
-            "in_place_min_mb (and the other options) explicitly, the same on every rank."
+            f"{brief(str(exc), MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 2)}; {_OPTIONS_ADVICE}"
         ) from None
     if opts.broadcast_parameters:
         broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
@@ -366,9 +367,9 @@ class GradientReducer:
             raise RuntimeError("cannot change the comm hook while a backward pass is being reduced")
         if self._comm_hook.agreed:
             raise RuntimeError(
-                "register_comm_hook must be called on every rank before the first synchronised "
-                "backward pass (as with DDP): ranks that changed hooks later would pair different "
-                "collectives; build a new GradientReducer (after reducer.remove()) to change it"
+                "register_comm_hook must run on every rank before the first synchronised "
+                "backward pass; to change the hook, call reducer.remove() and build a new "
+                "GradientReducer"
             )
         fn = resolve_comm_hook(hook)
         self._comm_hook.fn = fn
