@@ -85,7 +85,8 @@ _PRESENCE_LABEL = "presence flags of the in-place gradients"
 _REBUILD = "change the model before wrapping it (reducer.remove() first)"
 # With the automatic defaults each rank derives first_bucket_cap_mb and in_place_min_mb from its
 # own hardware, which can differ on uneven hosts (docs/failures.md).
-_OPTIONS_ADVICE = "Set them explicitly, the same on every rank."
+_OPTIONS_ADVICE = "set them explicitly, the same on every rank"
+_MODEL_FIX = "build the same model, with the same options, on every rank"
 
 
 def _first_changed(entries: list[_Entry]) -> str | None:
@@ -599,12 +600,14 @@ class GradientReducer:
                     f"strides={_bucket_strides(p)}" for n, p in named]
         entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
         try:
-            check_fingerprint(comm, entries, limit=MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 1)
+            check_fingerprint(comm, entries, fix=_MODEL_FIX)
         except ValueError as exc:
             if "GradientReducer option" not in str(exc):
                 raise
             # Every rank saw every rank's entry, so every rank raises this same message.
-            raise ValueError(f"{exc} {_OPTIONS_ADVICE}") from None
+            base = str(exc).removesuffix(f"; {_MODEL_FIX}")
+            base = _brief(base, MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 2)
+            raise ValueError(f"{base}; {_OPTIONS_ADVICE}") from None
         if broadcast_parameters:
             broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
 
