@@ -119,7 +119,7 @@ def _mismatch_message(problem: str, fix: str, entry: str | None, first: int, tex
         while common < min(len(wa), len(wb)) and wa[common] == wb[common]:
             common += 1
         context = entry or " ".join(wa[: min(common, 2)])
-        if len(wa) == len(wb):  # show only the words that differ
+        if len(wa) == len(wb) and common >= 2:  # same kind and name: only the words that differ
             shown_a = " ".join(x for x, y in zip(wa, wb, strict=True) if x != y)
             shown_b = " ".join(y for x, y in zip(wa, wb, strict=True) if x != y)
         else:
@@ -133,13 +133,15 @@ def _mismatch_message(problem: str, fix: str, entry: str | None, first: int, tex
                 f"rank {other}{sizes[1]} has {y!r}{tail}{advice}")
 
     # What differs is kept whole where it fits; the entry's name is cut first, then the advice.
-    for advice in (f"; {fix}", ""):
-        room = limit - len(build("", shown_a, shown_b, advice))
-        if room >= min(len(context), 24):
-            return build(brief(context, room), shown_a, shown_b, advice)
+    for least in (len(context), min(len(context), 12)):
+        for advice in (f"; {fix}", ""):
+            room = limit - len(build("", shown_a, shown_b, advice))
+            if room >= least:
+                return build(brief(context, room), shown_a, shown_b, advice)
     ctx = brief(context, 40)
-    room = (limit - len(build(ctx, "", "", ""))) // 2
-    return brief(build(ctx, brief(shown_a, room), brief(shown_b, room), ""), limit)
+    room = limit - len(build(ctx, "", "", ""))  # for both texts; a short one leaves more
+    room_a = min(len(shown_a), room // 2) if len(shown_b) > room // 2 else room - len(shown_b)
+    return brief(build(ctx, brief(shown_a, room_a), brief(shown_b, room - room_a), ""), limit)
 
 
 def broadcast_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], src: int = 0) -> None:

@@ -86,7 +86,8 @@ logger = logging.getLogger("gradcomm.hooks")
 
 # With the automatic defaults each rank derives first_bucket_cap_mb and in_place_min_mb from its
 # own hardware, which can differ on uneven hosts (docs/failures.md).
-_OPTIONS_ADVICE = "set first_bucket_cap_mb and in_place_min_mb explicitly, the same on every rank"
+_OPTIONS_ADVICE = "set them explicitly, the same on every rank"
+_MODEL_FIX = "build the same model, with the same options, on every rank"
 
 
 def _no_reducer() -> None:
@@ -115,14 +116,15 @@ def _agree_on_model(comm: Communicator, module: nn.Module | None, named: list[tu
                 f"strides={bucket_strides(p)}" for n, p in named]
     entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in buffers]
     try:
-        check_fingerprint(comm, entries)
+        check_fingerprint(comm, entries, fix=_MODEL_FIX)
     except ValueError as exc:
         if "GradientReducer option" not in str(exc):
             raise
-        # Every rank saw every rank's entry, so every rank raises this same message.
-        raise ValueError(
-            f"{brief(str(exc), MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 2)}; {_OPTIONS_ADVICE}"
-        ) from None
+        # Every rank saw every rank's entry, so every rank raises this same message; the options'
+        # advice replaces the model's.
+        base = brief(str(exc).removesuffix(f"; {_MODEL_FIX}"),
+                     MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 2)
+        raise ValueError(f"{base}; {_OPTIONS_ADVICE}") from None
     if opts.broadcast_parameters:
         broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
 
