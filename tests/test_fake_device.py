@@ -95,6 +95,7 @@ def _construct_on_fake(rank: int, world_size: int) -> list[str]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_reducer_builds_on_a_device_communicator_with_two_ranks() -> None:
     # Before the fix the fingerprint's all-gather got CPU tensors: ValueError on every rank.
@@ -113,6 +114,7 @@ def _mismatch_on_fake(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fingerprint_mismatch_is_found_on_a_device_communicator() -> None:
     # The mismatch path's two extra all-gathers (hash table, descriptions) run on comm.device too.
@@ -131,6 +133,7 @@ def _gloo_checks(rank: int, world_size: int) -> dict[str, list[str]]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_layer_on_the_fake_device_matches_cpu_over_gloo(world_size: int) -> None:
@@ -141,6 +144,7 @@ def test_every_layer_on_the_fake_device_matches_cpu_over_gloo(world_size: int) -
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_layer_on_the_fake_device_matches_cpu_over_mpi(world_size: int) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO_ROOT
+from dist_utils import REPO_ROOT, popen_rank
 from netns_hosts import HOSTS_VARIANTS, SimulatedHosts, namespace_problem
 
 SCRIPTS = Path(__file__).resolve().parent / "multihost_scripts"
@@ -30,7 +30,8 @@ RUN_TIMEOUT = 200.0  # seconds per launch; one takes about 30-60 s on 2 busy cor
 _CLEARED = ("MASTER_", "GLOO_", "NCCL_", "GRADCOMM_", "RANK", "WORLD_SIZE", "LOCAL_", "PMI_",
             "OMPI_", "TORCHELASTIC_", "HYDRA_")
 
-pytestmark = [pytest.mark.multihost, pytest.mark.timeout(RUN_TIMEOUT + 60)]
+pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess, pytest.mark.slow,
+              pytest.mark.timeout(RUN_TIMEOUT + 60)]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -73,7 +74,7 @@ def _run_all(hosts: SimulatedHosts, cmds: Sequence[list[str]],
              env: dict[str, str]) -> list[tuple[int, str]]:
     """Run the commands at once; ``(exit status, output)`` each. After RUN_TIMEOUT s every
     process in the hosts is killed and the test fails with what they printed."""
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    procs = [popen_rank(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env, cwd=REPO_ROOT, start_new_session=True) for c in cmds]
     deadline = time.monotonic() + RUN_TIMEOUT
     results = []

@@ -211,6 +211,8 @@ def _train(rank: int, world_size: int, backend: str) -> bytes:
         return buf.getvalue()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gloo_ranks_end_bit_identical() -> None:
     out = [torch.load(io.BytesIO(raw)) for raw in run_processes(_train, 2, "gloo", timeout=100)]
@@ -219,6 +221,8 @@ def test_gloo_ranks_end_bit_identical() -> None:
         assert torch.equal(value, out[1][name]), name
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_digits_example_with_powersgd_on_gloo() -> None:
     out = run_processes(_digits, 2, timeout=RUN_TIMEOUT)
@@ -230,6 +234,7 @@ def _digits(rank: int, world_size: int) -> int:
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_digits_example_with_powersgd_under_mpiexec(backend: str) -> None:
