@@ -13,6 +13,7 @@ import torch
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
+from gradcomm.hooks._control import CONTROL_LABEL
 from gradcomm.profiler import OpRecord, Profiler, bus_factor, profile
 
 from dist_utils import run_mpi, run_processes
@@ -241,6 +242,10 @@ def test_reducer_marks_one_profiler_step_per_backward() -> None:
         assert isinstance(records, list)
         steps = [step for step, _ in records]
         per_step = len(records) // 2
-        assert per_step >= 2  # the tiny cap gives one bucket per parameter
+        assert per_step >= 3  # the tiny cap gives one bucket per parameter, then the control
         assert steps == [0] * per_step + [1] * per_step
-        assert all(label is not None and label.startswith("bucket") for _, label in records)
+        for step in (0, 1):
+            labels = [label for s, label in records if s == step]
+            # Every bucket, then the reducer's one control all-reduce (presence flags, failures).
+            assert all(label is not None and label.startswith("bucket") for label in labels[:-1])
+            assert labels[-1] == CONTROL_LABEL
