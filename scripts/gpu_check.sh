@@ -12,7 +12,7 @@
 # and carry "wheels" with the working tree. An mpi4py and mpiexec already installed are used as
 # they are. The digits example also needs scikit-learn and tqdm there (see docs/gpu.md).
 #
-# Output: one line per check, "PASS|FAIL|SKIP name (budget/used s) reason [versions]"; every log
+# Output: one line per check, "PASS|FAIL|SKIP name (used/budget s) reason [versions]"; every log
 # in one archive, $OUT/gpu_check_logs.tar.gz (OUT defaults to ./out). Exit 1 on any FAIL (a
 # missing piece a check needs is a FAIL), else 0. Each check has a budget (its timeout) and the
 # whole run a deadline of GPU_CHECK_DEADLINE_S seconds (default 540).

@@ -208,11 +208,12 @@ class FakeDeviceCommunicator(Communicator):
     """
 
     def __init__(self, inner: Communicator) -> None:
+        # Named per instance before the base class builds its checks, which quote the name.
+        self.backend = f"fake-{inner.backend}"  # type: ignore[misc]
+        self.native_reduce_ops = inner.native_reduce_ops  # type: ignore[misc]
         super().__init__(rank=inner.rank, world_size=inner.world_size,
                          local_rank=inner.local_rank, device=FAKE, timeout=inner.timeout)
         self.inner = inner
-        self.backend = f"fake-{inner.backend}"  # type: ignore[misc]
-        self.native_reduce_ops = inner.native_reduce_ops  # type: ignore[misc]
 
     @property
     def background_progress(self) -> bool:

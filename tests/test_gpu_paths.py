@@ -23,6 +23,7 @@ from fake_device import FakeDeviceTensor
 from gradcomm import CollectiveTimeoutError, ReduceOp
 from gradcomm.comm import Launcher, LaunchInfo, cuda_packages
 from gradcomm.comm.backends import cupy_nccl, mpi_device, nccl, torch_dist
+from gradcomm.comm.rendezvous import Rendezvous
 
 from dist_utils import REPO_ROOT
 
@@ -155,7 +156,8 @@ def _nccl_comm(monkeypatch: pytest.MonkeyPatch, group: _FakeGroup,
                timeout: float) -> nccl.NCCLCommunicator:
     install(monkeypatch)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    monkeypatch.setattr(torch_dist, "create_store", lambda *a: None)
+    monkeypatch.setattr(torch_dist, "rendezvous",
+                        lambda *a, **k: Rendezvous(store=None, bind_address=None, interface=None))
     monkeypatch.setattr(nccl.NCCLCommunicator, "_make_group", lambda self, *a: group)
     real_zeros = torch.zeros  # the barrier's token: CPU memory here (a CPU build has no CUDA)
     monkeypatch.setattr(torch, "zeros", lambda *a, device=None, **k: real_zeros(*a, **k))
