@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -154,11 +155,19 @@ def check_reachable(
             (naming it), or when not every rank finished the check by ``deadline``.
     """
     listener = None
+    drain = None
     if address is not None and not problem:
         try:
             listener = socket.create_server((address, 0), backlog=min(world_size, 4096))
         except OSError as exc:
             problem = f"rank {rank} cannot listen on {address} ({_reason(exc)})"
+        else:
+            # Accept (and drop) the peers' probes as they come: an unaccepted backlog fills at
+            # net.core.somaxconn and later connects would time out, failing large jobs falsely.
+            listener.settimeout(_POLL_S)
+            drain = threading.Thread(target=_drain, args=(listener,), daemon=True,
+                                     name="gradcomm-network-check")
+            drain.start()
     try:
         port = listener.getsockname()[1] if listener is not None else 0
         store.set(f"probe/{rank}", f"{address}:{port}" if listener is not None else "")
@@ -172,12 +181,26 @@ def check_reachable(
             done = int(store.add("done", 0))
     finally:
         if listener is not None:
-            listener.close()
+            listener.close()  # ends _drain at its next accept
+        if drain is not None:
+            drain.join(5 * _POLL_S + 1.0)
     if store.check(["error"]):
         raise RuntimeError(f"network check failed: {store.get('error').decode()}")
     if done < world_size:
         raise RuntimeError(f"network check: only {done} of {world_size} ranks finished it "
                            f"in time; a rank may have died or be stuck before it; {hint}")
+
+
+def _drain(listener: socket.socket) -> None:
+    """Accept and close connections on ``listener`` until it is closed."""
+    while listener.fileno() != -1:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:  # closed under us
+            return
+        conn.close()
 
 
 def _probe_peers(

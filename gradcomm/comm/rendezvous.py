@@ -129,10 +129,6 @@ def _store_via_mpi(
 def _store_at_master(launch: LaunchInfo, timeout: datetime.timedelta) -> tuple[dist.Store, str]:
     """``(store, address connected to)`` at MASTER_ADDR:MASTER_PORT."""
     addr, port = str(launch.master_addr), int(launch.master_port or 0)
-    spans_hosts = launch.local_world_size < launch.world_size
-    if spans_hosts and (is_loopback(addr) or addr.strip().lower() == "localhost"):
-        raise ValueError(f"MASTER_ADDR={addr} is a loopback address but the ranks span hosts "
-                         "(local_world_size < world_size): set it to an address of rank 0's host")
     try:
         store = dist.TCPStore(addr, port, launch.world_size,
                               launch.rank == 0 and not launch.agent_store, timeout=timeout)
@@ -168,8 +164,10 @@ def rendezvous(
         bind: choose and check a bind address (False: only the store, for a transport that
             picks its own interface).
 
+    A loopback MASTER_ADDR means every rank is on rank 0's host (no other host reaches it): the
+    transport's default address is kept.
+
     Raises:
-        ValueError: MASTER_ADDR is a loopback address while the ranks span hosts.
         RuntimeError: world_size > 1, no MASTER_ADDR/MASTER_PORT and no MPI launcher to
             rendezvous through; the store could not be reached within the timeout; or (on
             every rank) no address was found that every rank reaches, naming the addresses
@@ -183,7 +181,10 @@ def rendezvous(
         return Rendezvous(dist.PrefixStore(prefix, dist.HashStore()))
     if launch.master_addr is not None and launch.master_port is not None:
         store, store_ip = _store_at_master(launch, td)
-        single_host = launch.local_world_size == launch.world_size
+        # Only ranks on rank 0's host can reach a loopback store, so a job that met there runs on
+        # one host, even with several launcher agents (torchrun --nnodes 2 twice on one machine).
+        single_host = (launch.local_world_size == launch.world_size or is_loopback(store_ip)
+                       or str(launch.master_addr).strip().lower() == "localhost")
     elif launch.launcher.is_mpi or (
         launch.launcher is Launcher.EXPLICIT and started_by_mpi_launcher()
     ):  # explicit rank/world_size under mpirun: checked against MPI's in _store_via_mpi

@@ -13,7 +13,7 @@ import gradcomm
 
 
 def main() -> int:
-    rank = gradcomm.detect_launch().rank
+    rank = gradcomm.comm.detect_launch().rank
     start = time.monotonic()
     try:
         comm = gradcomm.init(sys.argv[1], timeout=float(sys.argv[2]))
