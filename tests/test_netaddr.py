@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 import sys
 import threading
@@ -166,9 +167,13 @@ def test_user_interface_variable_wins() -> None:
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "localhost"])
-def test_loopback_master_addr_means_one_host_even_with_two_agents(addr: str) -> None:
+def test_loopback_master_addr_means_one_host_even_with_two_agents(
+    addr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # torchrun --nnodes 2 started twice on one machine: local_world_size 2 of 4, but only ranks
     # on rank 0's host reach a loopback store, so they meet as one host and bind nothing.
+    # Threads share the per-process store counter that separate ranks each count alike.
+    monkeypatch.setattr("gradcomm.comm.rendezvous._store_ids", itertools.repeat(0))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

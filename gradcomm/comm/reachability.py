@@ -31,7 +31,7 @@ __all__ = ["bind_address", "check_reachable", "first_answering"]
 #: Seconds one TCP connect may take: a SYN to a routed address that drops it would otherwise
 #: block for the kernel's retry schedule (minutes).
 _CONNECT_S = 3.0
-_POLL_S = 0.01
+POLL_S = 0.01
 
 
 def _reason(exc: OSError) -> str:
@@ -164,7 +164,7 @@ def check_reachable(
         else:
             # Accept (and drop) the peers' probes as they come: an unaccepted backlog fills at
             # net.core.somaxconn and later connects would time out, failing large jobs falsely.
-            listener.settimeout(_POLL_S)
+            listener.settimeout(POLL_S)
             drain = threading.Thread(target=_drain, args=(listener,), daemon=True,
                                      name="gradcomm-network-check")
             drain.start()
@@ -177,13 +177,13 @@ def check_reachable(
             store.compare_set("error", "", f"{problem}; {hint}")
         done = int(store.add("done", 1))
         while done < world_size and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
             done = int(store.add("done", 0))
     finally:
         if listener is not None:
             listener.close()  # ends _drain at its next accept
         if drain is not None:
-            drain.join(5 * _POLL_S + 1.0)
+            drain.join(5 * POLL_S + 1.0)
     if store.check(["error"]):
         raise RuntimeError(f"network check failed: {store.get('error').decode()}")
     if done < world_size:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .launcher import Launcher, LaunchInfo, check_launch_matches_mpi, started_by_mpi_launcher
 from .mpi_abort import abort_on_error_enabled, install_abort_hook
 from .netaddr import interface_of, is_loopback, publish_candidates, resolve_ipv4
-from .reachability import bind_address, check_reachable, first_answering
+from .reachability import POLL_S, bind_address, check_reachable, first_answering
 
 __all__ = ["Rendezvous", "create_store", "rendezvous"]
 
@@ -181,10 +181,7 @@ def rendezvous(
         return Rendezvous(dist.PrefixStore(prefix, dist.HashStore()))
     if launch.master_addr is not None and launch.master_port is not None:
         store, store_ip = _store_at_master(launch, td)
-        # Only ranks on rank 0's host can reach a loopback store, so a job that met there runs on
-        # one host, even with several launcher agents (torchrun --nnodes 2 twice on one machine).
-        single_host = (launch.local_world_size == launch.world_size or is_loopback(store_ip)
-                       or str(launch.master_addr).strip().lower() == "localhost")
+        single_host = launch.local_world_size == launch.world_size
     elif launch.launcher.is_mpi or (
         launch.launcher is Launcher.EXPLICIT and started_by_mpi_launcher()
     ):  # explicit rank/world_size under mpirun: checked against MPI's in _store_via_mpi
@@ -195,15 +192,37 @@ def rendezvous(
             "MASTER_ADDR and MASTER_PORT, or launch with torchrun or mpirun"
         )
     shared = dist.PrefixStore(prefix, store)
+    deadline = time.monotonic() + td.total_seconds()
+    if not single_host and bind and launch.master_addr is not None:
+        # Only ranks on rank 0's host reach a loopback store: when every rank did, the job runs
+        # on one host, even with several launcher agents (torchrun --nnodes 2 twice on a machine).
+        single_host = _all_over_loopback(dist.PrefixStore("loopback", shared), launch.world_size,
+                                         is_loopback(store_ip), deadline)
     if single_host or not bind:
         return Rendezvous(shared)
     net = dist.PrefixStore("net", shared)
-    deadline = time.monotonic() + td.total_seconds()
     address, problem = bind_address(net, launch.rank, launch.world_size, store_ip, deadline,
                                     env, interface_variable)
     check_reachable(net, launch.rank, launch.world_size, address, problem, deadline,
                     _unreachable_hint(interface_variable))
     return Rendezvous(shared, address, None if address is None else interface_of(address))
+
+
+def _all_over_loopback(store: dist.Store, world_size: int, loopback: bool,
+                       deadline: float) -> bool:
+    """Whether every rank reached the store over loopback (one counter, one arrival count).
+
+    Raises:
+        RuntimeError: not every rank arrived by ``deadline``.
+    """
+    store.add("loopback", int(loopback))
+    arrived = int(store.add("arrived", 1))
+    while arrived < world_size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {arrived} of {world_size} ranks reached the store in time")
+        time.sleep(POLL_S)
+        arrived = int(store.add("arrived", 0))
+    return int(store.add("loopback", 0)) == world_size
 
 
 def create_store(launch: LaunchInfo, timeout: float | None, backend: str) -> dist.Store:

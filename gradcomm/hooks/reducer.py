@@ -362,8 +362,10 @@ class GradientReducer:
         MPI, an abort on gloo).
 
         Raises:
-            ValueError/TypeError: unknown hook name or type. RuntimeError: a backward is in
-            flight, or the first synchronised backward pass has already run.
+            ValueError: unknown hook name.
+            TypeError: a hook that is neither a name, a CommHook nor a callable.
+            RuntimeError: a backward is in flight, or the first synchronised backward pass has
+                already run.
         """
         if self._backward.epoch_active:
             raise RuntimeError("cannot change the comm hook while a backward pass is being reduced")
