@@ -23,7 +23,10 @@ def main() -> int:
         return 3
     t = torch.ones(4) * (comm.rank + 1)
     comm.all_reduce(t)
-    print(f"RESULT rank={comm.rank} sum={t[0].item():g}", flush=True)
+    # One write per line: ranks share the launcher's pipe, and print's separate newline write
+    # let another rank's line land in between.
+    sys.stdout.write(f"RESULT rank={comm.rank} sum={t[0].item():g}\n")
+    sys.stdout.flush()
     comm.close()
     return 0
 
