@@ -80,14 +80,11 @@ def resolve_in_place_min_mb(in_place_min_mb: float | None, comm: Communicator) -
     """The size in MiB from which gradients are reduced in place: ``in_place_min_mb``, or when it
     is None, chosen for ``comm``.
 
-    Reducing a gradient in place in ``param.grad`` saves copying it into a shared bucket (a pass
-    over its memory: ~0.1 ms per MiB with two ranks on this 2-core machine) and costs one more
-    collective. That pays where collectives are cheap (:attr:`Communicator.cheap_collectives`:
-    MPI on host memory), from 2 MiB up; elsewhere the default is ``math.inf`` (none). Measured
-    on 2 ranks of a 2-core machine with the MLP of ``benchmarks/step_time.py`` (three 4 MiB
-    weights in place, sent at the end of backward), step time against the same reducer with
-    every gradient in one shared bucket, median of the per-step ratio: mpi 0.936 (x the old
-    algorithm: 0.855 against 0.911); gloo 1.075.
+    Reducing a gradient in place in ``param.grad`` saves copying it into a shared bucket (one
+    pass over its memory) and costs one more collective. That pays where collectives are cheap
+    (:attr:`Communicator.cheap_collectives`: MPI on host memory), from 2 MiB up; elsewhere the
+    default is ``math.inf`` (none). The measurements behind the threshold are in
+    ``benchmarks/step_time.py``'s results (docs/results.md).
 
     Raises:
         TypeError: not a number (or a bool). ValueError: negative or NaN.
