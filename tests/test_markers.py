@@ -34,7 +34,7 @@ def test_tests_start_processes_only_through_dist_utils() -> None:
     # subprocess.run of one plain Python process is fine: it is no multi-process test.
     helpers = [TESTS_DIR / "mpi_scripts" / f"{name}.py" for name in ("failure_common",
                                                                      "reducer_common")]
-    modules = [*sorted(TESTS_DIR.glob("test_*.py")), *helpers]
+    modules = [*sorted(TESTS_DIR.rglob("test_*.py")), *helpers]
     found = [hit for path in modules for hit in _direct_launches(path)]
     assert found == [], "start ranks with dist_utils (run_processes, run_mpi, popen_rank)"
 

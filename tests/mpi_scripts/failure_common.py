@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from hooks.test_reducer_gloo import ulp_distance as ulps  # tests/ is on sys.path
 from reducer_common import (
     batch,
     eval_bn,
@@ -28,7 +29,6 @@ from reducer_common import (
     loss_fn,
     make_model,
 )
-from test_reducer_gloo import ulp_distance as ulps  # tests/ is on sys.path
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

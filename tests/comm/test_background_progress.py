@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from test_mpi_backend import _plain_python
 
+from comm.test_mpi_backend import _plain_python
 from gradcomm.comm import Launcher, LaunchInfo
 from gradcomm.comm.backends.gloo import GlooCommunicator
 
