@@ -7,6 +7,8 @@ import pytest
 # Spawned children unpickle test functions by module name, so tests/ must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ranks
+
 import dist_utils  # after the path above
 
 
@@ -42,3 +44,10 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     result = yield
     _check_markers(item, since)
     return result
+
+
+@pytest.fixture(params=ranks.BACKENDS)
+def comm_runner(request: pytest.FixtureRequest, tmp_path: Path) -> ranks.RankRunner:
+    """Runs a case function on the ranks of each backend in turn (threads, gloo, mpi); see
+    :mod:`ranks`. Parametrise it indirectly to use fewer backends."""
+    return ranks.RankRunner(request.param, tmp_path)
