@@ -32,8 +32,8 @@ def _direct_launches(path: Path) -> list[str]:
 
 def test_tests_start_processes_only_through_dist_utils() -> None:
     # subprocess.run of one plain Python process is fine: it is no multi-process test.
-    helpers = [TESTS_DIR / "mpi_scripts" / f"{name}.py" for name in ("failure_common",
-                                                                     "reducer_common")]
+    helpers = [TESTS_DIR / "reducer_cases.py", TESTS_DIR / "ranks.py",
+               TESTS_DIR / "mpi_scripts" / "reducer_common.py"]
     modules = [*sorted(TESTS_DIR.rglob("test_*.py")), *helpers]
     found = [hit for path in modules for hit in _direct_launches(path)]
     assert found == [], "start ranks with dist_utils (run_processes, run_mpi, popen_rank)"

@@ -267,6 +267,8 @@ def _suite_case(comm: Communicator, backend: str, handshake: str) -> tuple[int, 
         for dtype in HALF_DTYPES:
             assert comm.supports(dtype).level is SupportLevel.EMULATED_SLOW
     assert not comm.supports(torch.float32, "meta").is_supported
+    # every dtype the suite reduces is one the backend says it reduces
+    assert [d for d in EXACT_DTYPES + HALF_DTYPES if not comm.supports(d).is_supported] == []
     rank, world_size = comm.rank, comm.world_size
     return rank, world_size, full_suite(comm, Path(handshake), EXACT_DTYPES + HALF_DTYPES)
 

@@ -1,20 +1,21 @@
-"""Issue 5, items 1 and 5 over real gloo processes: the model differs across ranks, tied weights,
-and parameters, buffers or submodules replaced after wrapping.
+"""The reducer's model guard: the model differs across ranks (a fingerprint names what differs),
+tied weights, and parameters, buffers or submodules replaced after wrapping.
 
-One spawned 2-rank run executes every case (``mpi_scripts/failure_common.py``); each test checks
-one case's values or exact errors against single-process references.
+Each case of ``reducer_cases`` runs once per backend and world size (``ranks.RankRunner``); each
+test checks one case's values or exact errors against single-process references.
 """
 
 from __future__ import annotations
 
-import sys
-
-from dist_utils import TESTS_DIR
-
-sys.path.insert(0, str(TESTS_DIR / "mpi_scripts"))
-import failure_common as fc
+import reducer_cases as rc
+from ranks import RankRunner
 
 CASES = ["fingerprint", "tied", "replaced"]
-WORLD = 2
+RUNS: rc.Runs = [("threads", 2, CASES), ("threads", 3, CASES), ("gloo", 2, CASES),
+                 ("mpi", 2, CASES), ("mpi", 3, ["fingerprint"])]
 
-results, test_gloo = fc.make_gloo_tests(CASES, WORLD)
+
+@rc.over_backends(RUNS)
+def test_case(comm_runner: RankRunner, world_size: int, case: str) -> None:
+    results = rc.results_of(comm_runner, world_size, RUNS)
+    assert rc.verify_case(case, results, world_size) == []
