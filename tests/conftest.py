@@ -13,13 +13,16 @@ import dist_utils  # after the path above
 
 
 def missing_markers(launched: Iterable[str], marked: Iterable[str]) -> list[str]:
-    """The launch kinds (``mpi``, ``multiprocess``) among ``launched`` without a marker."""
-    return sorted(set(launched) - set(marked))
+    """The markers a test that launched ``launched`` (``mpi``, ``multiprocess``) lacks: each
+    launch kind, and ``slow`` for any launch (the fast tier starts no process)."""
+    kinds = set(launched)
+    return sorted((kinds | {"slow"} if kinds else kinds) - set(marked))
 
 
 def _check_markers(item: pytest.Item, since: int) -> None:
     """Fail ``item`` if what it launched since ``dist_utils.launches[since]`` lacks a marker, so
-    ``-m "not mpi"`` and ``-m "not multiprocess"`` deselect every test that starts processes."""
+    ``-m "not slow"``, ``-m "not mpi"`` and ``-m "not multiprocess"`` deselect every test that
+    starts processes."""
     marked = [m.name for m in item.iter_markers()]
     missing = missing_markers(dist_utils.launches[since:], marked)
     if missing:

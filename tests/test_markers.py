@@ -1,4 +1,5 @@
-"""Every test that starts processes carries a marker: ``mpi`` (mpiexec) or ``multiprocess``.
+"""Every test that starts processes carries its markers: ``mpi`` (mpiexec) or ``multiprocess``
+(spawned ranks, torchrun), and ``slow``, so the fast tier (``-m "not slow"``) starts none.
 
 conftest.py checks what each test launched through ``dist_utils`` (run_processes, run_mpi,
 run_command, popen_rank); this module checks that tests launch only through those, and that the
@@ -40,8 +41,9 @@ def test_tests_start_processes_only_through_dist_utils() -> None:
 
 
 def test_missing_markers_are_found() -> None:
-    assert missing_markers(["mpi", "mpi"], ["parametrize"]) == ["mpi"]
-    assert missing_markers(["mpi", "multiprocess"], ["mpi"]) == ["multiprocess"]
+    assert missing_markers(["mpi", "mpi"], ["parametrize"]) == ["mpi", "slow"]
+    assert missing_markers(["mpi", "multiprocess"], ["mpi", "slow"]) == ["multiprocess"]
+    assert missing_markers(["mpi"], ["mpi"]) == ["slow"]
     assert missing_markers(["multiprocess"], ["multiprocess", "slow"]) == []
     assert missing_markers([], []) == []
 
