@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,7 @@ from dist_utils import (
     TESTS_DIR,
     _mpiexec_flags,
     free_port,
+    plain_python,
     require_mpi,
     run_command,
     run_mpi,
@@ -80,23 +80,10 @@ def test_device_buffer_path_with_fake_adapters() -> None:
         assert len(_results(out, f"staging {mode} ok")) == 2, out
 
 
-def _plain_python(
-    script: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c script`` with no launcher variables (a single process)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
-                "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID", "GRADCOMM_BACKEND"):
-        full_env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=full_env, timeout=60
-    )
-
-
 @pytest.mark.slow
 def test_world_size_one_plain_python_issues_no_collective() -> None:
     require_mpi()
-    proc = _plain_python(
+    proc = plain_python(
         f"import runpy; runpy.run_path({str(SCRIPTS / 'mpi_backend_single.py')!r}, "
         "run_name='__main__')"
     )
@@ -213,7 +200,7 @@ def test_gloo_rendezvous_through_mpi() -> None:
 @pytest.mark.slow
 def test_missing_mpi4py_names_pip_install() -> None:
     # Both through gradcomm.init (the registry's check) and importing the backend module directly.
-    proc = _plain_python(
+    proc = plain_python(
         "import sys\n"
         "sys.modules['mpi4py'] = None\n"
         "import gradcomm\n"
