@@ -7,17 +7,22 @@ import pytest
 # Spawned children unpickle test functions by module name, so tests/ must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ranks
+
 import dist_utils  # after the path above
 
 
 def missing_markers(launched: Iterable[str], marked: Iterable[str]) -> list[str]:
-    """The launch kinds (``mpi``, ``multiprocess``) among ``launched`` without a marker."""
-    return sorted(set(launched) - set(marked))
+    """The markers a test that launched ``launched`` (``mpi``, ``multiprocess``) lacks: each
+    launch kind, and ``slow`` for any launch (the fast tier starts no process)."""
+    kinds = set(launched)
+    return sorted((kinds | {"slow"} if kinds else kinds) - set(marked))
 
 
 def _check_markers(item: pytest.Item, since: int) -> None:
     """Fail ``item`` if what it launched since ``dist_utils.launches[since]`` lacks a marker, so
-    ``-m "not mpi"`` and ``-m "not multiprocess"`` deselect every test that starts processes."""
+    ``-m "not slow"``, ``-m "not mpi"`` and ``-m "not multiprocess"`` deselect every test that
+    starts processes."""
     marked = [m.name for m in item.iter_markers()]
     missing = missing_markers(dist_utils.launches[since:], marked)
     if missing:
@@ -42,3 +47,10 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     result = yield
     _check_markers(item, since)
     return result
+
+
+@pytest.fixture(params=ranks.BACKENDS)
+def comm_runner(request: pytest.FixtureRequest, tmp_path: Path) -> ranks.RankRunner:
+    """Runs a case function on the ranks of each backend in turn (threads, gloo, mpi); see
+    :mod:`ranks`. Parametrise it indirectly to use fewer backends."""
+    return ranks.RankRunner(request.param, tmp_path)

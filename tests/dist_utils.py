@@ -216,6 +216,20 @@ def _mpiexec_flags(exe: str) -> list[str]:
     return []
 
 
+def plain_python(
+    script: str, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c script`` as a single process: no launcher's variables, ``gradcomm`` from
+    this checkout. Output is captured; raises ``subprocess.TimeoutExpired`` after 60 s."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID", "GRADCOMM_BACKEND"):
+        full_env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=full_env, timeout=60
+    )
+
+
 def run_command(
     cmd: Sequence[str],
     *,

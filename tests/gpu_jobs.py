@@ -1,7 +1,7 @@
 """The checks that need a GPU, as plain scripts: ``python tests/gpu_jobs.py JOB`` (no pytest).
 
 ``scripts/gpu_check.sh`` runs each job under its own time budget, at one rank or under
-``mpiexec -n 2`` / ``torch.distributed.run``; tests/test_gpu.py runs some of them too. A job
+``mpiexec -n 2`` / ``torch.distributed.run``; tests/comm/test_gpu.py runs some of them too. A job
 prints ``RESULT <job> ok rank=<r> ...`` on every rank when its values are right, or
 ``RESULT <job> skip: <why>`` when the machine lacks what the job is about (a CUDA-aware MPI);
 anything else raises, and under ``mpiexec`` one failing rank aborts the job.

@@ -1,4 +1,5 @@
-"""Every test that starts processes carries a marker: ``mpi`` (mpiexec) or ``multiprocess``.
+"""Every test that starts processes carries its markers: ``mpi`` (mpiexec) or ``multiprocess``
+(spawned ranks, torchrun), and ``slow``, so the fast tier (``-m "not slow"``) starts none.
 
 conftest.py checks what each test launched through ``dist_utils`` (run_processes, run_mpi,
 run_command, popen_rank); this module checks that tests launch only through those, and that the
@@ -32,16 +33,17 @@ def _direct_launches(path: Path) -> list[str]:
 
 def test_tests_start_processes_only_through_dist_utils() -> None:
     # subprocess.run of one plain Python process is fine: it is no multi-process test.
-    helpers = [TESTS_DIR / "mpi_scripts" / f"{name}.py" for name in ("failure_common",
-                                                                     "reducer_common")]
-    modules = [*sorted(TESTS_DIR.glob("test_*.py")), *helpers]
+    helpers = [TESTS_DIR / "reducer_cases.py", TESTS_DIR / "ranks.py",
+               TESTS_DIR / "mpi_scripts" / "reducer_common.py"]
+    modules = [*sorted(TESTS_DIR.rglob("test_*.py")), *helpers]
     found = [hit for path in modules for hit in _direct_launches(path)]
     assert found == [], "start ranks with dist_utils (run_processes, run_mpi, popen_rank)"
 
 
 def test_missing_markers_are_found() -> None:
-    assert missing_markers(["mpi", "mpi"], ["parametrize"]) == ["mpi"]
-    assert missing_markers(["mpi", "multiprocess"], ["mpi"]) == ["multiprocess"]
+    assert missing_markers(["mpi", "mpi"], ["parametrize"]) == ["mpi", "slow"]
+    assert missing_markers(["mpi", "multiprocess"], ["mpi", "slow"]) == ["multiprocess"]
+    assert missing_markers(["mpi"], ["mpi"]) == ["slow"]
     assert missing_markers(["multiprocess"], ["multiprocess", "slow"]) == []
     assert missing_markers([], []) == []
 

@@ -152,3 +152,12 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
         else:
             parts.append(p.grad.detach().reshape(-1).double())
     return torch.cat(parts)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between ``a`` and ``b`` in units in the last place (16-bit floats)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    # map sign-magnitude bit patterns to a monotonic integer line
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return int((ia - ib).abs().max())

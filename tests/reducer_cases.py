@@ -1,10 +1,11 @@
-"""The failure-case matrix of issue 5: cases run on every rank, then verified on all ranks' results.
+"""The reducer's failure and edge cases: each runs on every rank of any backend, then is verified
+on all ranks' results.
 
 Each case is a pair ``run(comm) -> result`` (called on every rank, any backend) and
 ``verify(results, world_size) -> problems`` (called once, on the list of every rank's result, in
-rank order; an empty list means the case passed). The gloo tests run cases in spawned processes
-(``tests/test_failures_*.py``), the MPI script ``failure_values.py`` runs them under ``mpiexec``;
-both use the same verification, so the two backends are held to the same values and errors.
+rank order; an empty list means the case passed). The tests in ``tests/hooks/test_reducer_*.py``
+run them through ``ranks.RankRunner`` (:func:`over_backends` and :func:`results_of`), so every
+backend is held to the same values and errors.
 
 References are single-process computations on the global batch (all ranks' batches concatenated).
 """
@@ -12,14 +13,13 @@ References are single-process computations on the global batch (all ranks' batch
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from reducer_common import (
+from mpi_scripts.reducer_common import (
     batch,
     eval_bn,
     flat_grads,
@@ -28,7 +28,7 @@ from reducer_common import (
     loss_fn,
     make_model,
 )
-from test_reducer_gloo import ulp_distance as ulps  # tests/ is on sys.path
+from mpi_scripts.reducer_common import ulp_distance as ulps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -868,47 +868,47 @@ def verify_case(name: str, results: list[dict[str, Result]], world_size: int) ->
     return CASES[name][1]([res[name] for res in results], world_size)
 
 
-def gloo_child(rank: int, world_size: int, names: list[str], timeout: float) -> bytes:
-    """Spawned-rank body for ``dist_utils.run_processes``: run ``names`` over gloo, return bytes.
-
-    Results go back as ``torch.save`` bytes: tensors put on a multiprocessing queue would share
-    memory with the exiting child.
-    """
-    torch.set_num_threads(1)  # two cores shared by every rank
-    with gradcomm.init("gloo", timeout=timeout) as comm:
-        out = run_cases(comm, names)
-        comm.barrier()
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
+def run_and_sync(comm: gradcomm.Communicator, names: list[str]) -> dict[str, Result]:
+    """:func:`run_cases`, then a barrier: no rank closes its communicator while a peer still
+    needs it. A case function for ``ranks.RankRunner``."""
+    out = run_cases(comm, names)
+    comm.barrier()
+    return out
 
 
-def load_results(raw: list[bytes]) -> list[dict[str, Result]]:
-    """Every rank's :func:`gloo_child` bytes back as :func:`run_cases` outputs (rank order)."""
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in raw]
+#: (backend, world size, case names): one run of ``run_and_sync`` on each backend and world size.
+Runs = list[tuple[str, int, list[str]]]
+
+_results: dict[tuple[str, int, tuple[str, ...]], list[dict[str, Result]]] = {}
 
 
-def make_gloo_tests(cases: list[str], world_size: int = 2, timeout: float = 100.0) -> Any:
-    """A module-scoped pytest fixture running ``cases`` once on spawned gloo ranks, and one
-    parametrized test per case checking it; assign both to module globals of a test module::
-
-        results, test_gloo = make_gloo_tests(["no_sync", "tied"])
-    """
+def over_backends(runs: Runs, timeout: float = 240.0) -> Callable[[Any], Any]:
+    """Decorate a test ``(comm_runner, world_size, case)`` to run once per case of ``runs``
+    (``comm_runner`` parametrised indirectly, each backend's markers carried; ids read
+    ``gloo-2-no_sync``), within ``timeout`` seconds including the run it may start."""
     import pytest
+    import ranks
 
-    from dist_utils import run_processes
+    marks = {"threads": ranks.THREADS.marks, "gloo": ranks.GLOO.marks, "mpi": ranks.MPI.marks}
+    params = [pytest.param(b, world, case, marks=marks[b], id=f"{b}-{world}-{case}")
+              for b, world, names in runs for case in names]
+    parametrize = pytest.mark.parametrize(("comm_runner", "world_size", "case"), params,
+                                          indirect=["comm_runner"])
 
-    @pytest.fixture(scope="module")
-    def results() -> list[dict[str, Result]]:
-        return load_results(run_processes(gloo_child, world_size, cases, 30.0, timeout=timeout))
+    def decorate(test: Any) -> Any:
+        return pytest.mark.timeout(timeout)(parametrize(test))
 
-    @pytest.mark.slow
-    @pytest.mark.multiprocess
-    @pytest.mark.parametrize("case", cases)
-    def test_gloo(results: list[dict[str, Result]], case: str) -> None:
-        assert verify_case(case, results, world_size) == []
-
-    return results, test_gloo
+    return decorate
 
 
-__all__ = ["CASES", "run_cases", "verify_case", "gloo_child", "load_results", "make_gloo_tests"]
+def results_of(runner: Any, world_size: int, runs: Runs, timeout: float = 180.0) -> list[Any]:
+    """Every rank's :func:`run_and_sync` output for the run of ``runs`` on ``runner``'s backend
+    at ``world_size`` (rank order), run once and kept for the other cases of that run."""
+    (names,) = [n for b, w, n in runs if (b, w) == (runner.backend, world_size)]
+    key = (runner.backend, world_size, tuple(names))
+    if key not in _results:
+        _results[key] = runner(run_and_sync, world_size, names, timeout=timeout, comm_timeout=30.0)
+    return _results[key]
+
+
+__all__ = ["CASES", "run_cases", "verify_case", "run_and_sync", "over_backends", "results_of"]

@@ -7,7 +7,7 @@ cupy-nccl under ``mpiexec -n 1``; the mpi backend, which has no such limit, runs
 share the GPU. The other tests run everywhere: the errors and reasons a machine without CUDA or
 CuPy gives, device selection, the capability table, and the CUDA-event Work with fake events.
 
-This file is also the script of its ``mpiexec`` runs: ``python tests/test_gpu.py --job NAME``.
+This file is also the script of its ``mpiexec`` runs: ``python tests/comm/test_gpu.py --job NAME``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ import re
 import sys
 import traceback
 import types
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, when run as a script
 from gpu_jobs import collective_checks, grad_check
 
 import gradcomm
@@ -357,7 +360,7 @@ def test_cupy_nccl_old_nccl_has_no_bf16_and_emulates_avg(monkeypatch: pytest.Mon
 
     comm = CupyNCCLCommunicator(_launch(), timeout=5.0)
     assert not comm.supports(torch.bfloat16).is_supported
-    # No ncclAvg: the base class emulates AVG (values: tests/test_gpu_paths.py).
+    # No ncclAvg: the base class emulates AVG (values: tests/comm/test_gpu_paths.py).
     assert ReduceOp.AVG not in comm.native_reduce_ops and fake.log[0][0] == "init"
 
 

@@ -1,32 +1,36 @@
-"""Issue 5, items 6 and 7 over real gloo processes: gradient layouts (non-contiguous,
-channels_last, odd strides, size-1 dims), sparse gradients, integer ``ReduceOp.AVG``, and half
-precision (fp16 sums that would overflow, averages that would underflow, bf16 against references).
+"""Gradient layouts and dtypes: non-contiguous, channels_last, odd strides, size-1 dims, sparse
+gradients, integer ``ReduceOp.AVG``, and half precision (fp16 sums that would overflow, averages
+that would underflow, bf16 against references).
 
-A spawned 2-rank run executes the cases of ``mpi_scripts/failure_common.py``; a 4-rank gloo run and
-an 8-rank thread run check that averages of 1e-7 do not underflow to zero.
+Each case of ``reducer_cases`` runs once per backend and world size (``ranks.RankRunner``); a 4-rank
+gloo run and an 8-rank thread run check that averages of 1e-7 do not underflow to zero.
 """
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+import reducer_cases as rc
 import torch
+from ranks import RankRunner
 from torch import nn
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer
 
-from dist_utils import TESTS_DIR, run_processes
-
-sys.path.insert(0, str(TESTS_DIR / "mpi_scripts"))
-import failure_common as fc
+from dist_utils import run_processes
 
 CASES = ["layouts", "sparse_and_int", "half"]
-WORLD = 2
+# 3 ranks: the fp32 upcast path of half precision (the thread backend, a test double, has none)
+RUNS: rc.Runs = [("threads", 2, CASES), ("threads", 3, ["layouts", "sparse_and_int"]),
+                 ("gloo", 2, CASES), ("mpi", 2, CASES), ("mpi", 3, ["half", "sparse_and_int"]),
+                 ("mpi", 1, ["half"])]
 
-results, test_gloo = fc.make_gloo_tests(CASES, WORLD)
+
+@rc.over_backends(RUNS)
+def test_case(comm_runner: RankRunner, world_size: int, case: str) -> None:
+    results = rc.results_of(comm_runner, world_size, RUNS)
+    assert rc.verify_case(case, results, world_size) == []
 
 
 def _tiny_average(comm: gradcomm.Communicator) -> list[torch.Tensor]:

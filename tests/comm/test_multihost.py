@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO_ROOT, popen_rank
+from dist_utils import REPO_ROOT, TESTS_DIR, popen_rank
 from netns_hosts import HOSTS_VARIANTS, SimulatedHosts, namespace_problem
 
-SCRIPTS = Path(__file__).resolve().parent / "multihost_scripts"
+SCRIPTS = TESTS_DIR / "multihost_scripts"
 EXAMPLE = REPO_ROOT / "examples" / "train_digits.py"
 BIN = Path(sys.executable).parent
 RUN_TIMEOUT = 200.0  # seconds per launch; one takes about 30-60 s on 2 busy cores

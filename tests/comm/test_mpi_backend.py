@@ -8,23 +8,28 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
+import ranks
+from mpi_scripts.mpi_backend_collectives import every_op_and_dtype
 
 from dist_utils import (
     REPO_ROOT,
     TESTS_DIR,
     _mpiexec_flags,
     free_port,
+    plain_python,
     require_mpi,
     run_command,
     run_mpi,
 )
 
 SCRIPTS = TESTS_DIR / "mpi_scripts"
+# checks every_op_and_dtype makes: 44 all-reduces (10 dtypes x 5 ops, no AVG of integers or
+# bool), 2 odd shapes, 6 broadcasts, 4 all-gathers, a barrier, 3 async, 2 large half runs
+CHECKS = 62
 
 
 def _results(output: str, prefix: str) -> list[str]:
@@ -33,15 +38,12 @@ def _results(output: str, prefix: str) -> list[str]:
     return [line.rstrip() for line in found]
 
 
-@pytest.mark.slow
-@pytest.mark.mpi
+@pytest.mark.parametrize("comm_runner", [ranks.MPI], indirect=True)
 @pytest.mark.parametrize("n", [2, 3])
-def test_collectives_every_op_and_dtype(n: int) -> None:
-    out = run_mpi(SCRIPTS / "mpi_backend_collectives.py", n, timeout=60).stdout
-    lines = _results(out, "ok")
-    assert sorted(lines) == sorted(
-        f"RESULT ok rank={r} world={n} checks=120" for r in range(n)
-    ), out
+def test_collectives_every_op_and_dtype(comm_runner: ranks.RankRunner, n: int) -> None:
+    # the conformance suite (test_communicator.py) runs on mpi too; these are MPI's extra dtypes
+    results = comm_runner(every_op_and_dtype, n, timeout=90, comm_timeout=30)
+    assert results == [(r, n, CHECKS) for r in range(n)]
 
 
 @pytest.mark.slow
@@ -78,23 +80,10 @@ def test_device_buffer_path_with_fake_adapters() -> None:
         assert len(_results(out, f"staging {mode} ok")) == 2, out
 
 
-def _plain_python(
-    script: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c script`` with no launcher variables (a single process)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
-                "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID", "GRADCOMM_BACKEND"):
-        full_env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=full_env, timeout=60
-    )
-
-
 @pytest.mark.slow
 def test_world_size_one_plain_python_issues_no_collective() -> None:
     require_mpi()
-    proc = _plain_python(
+    proc = plain_python(
         f"import runpy; runpy.run_path({str(SCRIPTS / 'mpi_backend_single.py')!r}, "
         "run_name='__main__')"
     )
@@ -211,7 +200,7 @@ def test_gloo_rendezvous_through_mpi() -> None:
 @pytest.mark.slow
 def test_missing_mpi4py_names_pip_install() -> None:
     # Both through gradcomm.init (the registry's check) and importing the backend module directly.
-    proc = _plain_python(
+    proc = plain_python(
         "import sys\n"
         "sys.modules['mpi4py'] = None\n"
         "import gradcomm\n"

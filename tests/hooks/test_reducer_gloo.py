@@ -25,6 +25,7 @@ from mpi_scripts.reducer_common import (
     loss_fn,
     make_model,
     reference_grads,
+    ulp_distance,
 )
 from torch import nn
 
@@ -42,14 +43,6 @@ def half_grad(rank: int, dtype: torch.dtype) -> torch.Tensor:
     out = (mag * sign).to(dtype)
     out[0] = 40000.0  # both ranks: an fp16 sum of 80000 would overflow
     return out
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
-    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
-    # map sign-magnitude bit patterns to a monotonic integer line
-    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
-    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
-    return int((ia - ib).abs().max())
 
 
 def _as_bytes(obj: Any) -> bytes:

@@ -1,4 +1,4 @@
-"""Issue 5, item 10: a ``torch.compile``d model trains with the reducer attached before or after
+"""A ``torch.compile``d model trains with the reducer attached before or after
 the first call, over real gloo processes; gradients and parameters equal a single process's.
 
 ``backend="aot_eager"`` compiles forward and backward graphs with AOTAutograd (what inductor

@@ -1,4 +1,5 @@
-"""The collective interface on the thread backend and on real gloo processes.
+"""The collective interface: one conformance suite on every backend (threads, gloo, mpi), then
+each backend's own edges.
 
 Every rank's input is a known function of its rank, so each rank can compute the reference result
 of every collective locally. The inputs are small integers stored in each dtype: every sum, product
@@ -20,6 +21,7 @@ from mpi_scripts.collective_checks import (
     check_complex,
     check_sign_bits,
 )
+from ranks import RankRunner
 
 import gradcomm
 from gradcomm.comm import CollectiveTimeoutError, Communicator, ReduceOp, SupportLevel
@@ -257,13 +259,31 @@ def full_suite(comm: Communicator, handshake: Path, dtypes: list[torch.dtype]) -
     return "ok"
 
 
-# ----------------------------------------------------------------------------- thread backend
+def _suite_case(comm: Communicator, backend: str, handshake: str) -> tuple[int, int, str]:
+    """The conformance suite on one rank of ``backend``: (rank, world size, "ok")."""
+    assert comm.backend == backend
+    assert comm.supports(torch.float32).level is SupportLevel.NATIVE
+    if backend == "gloo":
+        for dtype in HALF_DTYPES:
+            assert comm.supports(dtype).level is SupportLevel.EMULATED_SLOW
+    assert not comm.supports(torch.float32, "meta").is_supported
+    # every dtype the suite reduces is one the backend says it reduces
+    assert [d for d in EXACT_DTYPES + HALF_DTYPES if not comm.supports(d).is_supported] == []
+    rank, world_size = comm.rank, comm.world_size
+    return rank, world_size, full_suite(comm, Path(handshake), EXACT_DTYPES + HALF_DTYPES)
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_thread_backend_suite(world_size: int, tmp_path: Path) -> None:
-    group = ThreadGroup(world_size, timeout=30)
-    results = group.run(lambda comm: full_suite(comm, tmp_path, EXACT_DTYPES + HALF_DTYPES))
-    assert results == ["ok"] * world_size
-    assert group.calls[0] == group.calls[-1] > 0
+def test_collective_suite(comm_runner: RankRunner, world_size: int, tmp_path: Path) -> None:
+    """Every backend passes the same checks; each rank is the rank it was launched as."""
+    results = comm_runner(_suite_case, world_size, comm_runner.backend, str(tmp_path), timeout=120)
+    assert results == [(r, world_size, "ok") for r in range(world_size)]
+    if comm_runner.backend == "threads":
+        assert comm_runner.calls[0] == comm_runner.calls[-1] > 0
+
+
+# ----------------------------------------------------------------------------- thread backend
 
 
 def test_thread_backend_bad_input_issues_no_collective() -> None:
@@ -394,23 +414,6 @@ def test_reduce_op_coerce() -> None:
 
 
 # ----------------------------------------------------------------------------- gloo processes
-def _gloo_suite(rank: int, world_size: int, handshake: str) -> str:
-    with gradcomm.init("gloo", timeout=60) as comm:
-        assert (comm.rank, comm.world_size, comm.backend) == (rank, world_size, "gloo")
-        assert comm.supports(torch.float32).level is SupportLevel.NATIVE
-        for dtype in HALF_DTYPES:
-            assert comm.supports(dtype).level is SupportLevel.EMULATED_SLOW
-        assert not comm.supports(torch.float32, "meta").is_supported
-        return full_suite(comm, Path(handshake), EXACT_DTYPES + HALF_DTYPES)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_gloo_suite(world_size: int, tmp_path: Path) -> None:
-    assert run_processes(_gloo_suite, world_size, str(tmp_path), timeout=90) == ["ok"] * world_size
-
-
 def test_gloo_world_size_one() -> None:
     with gradcomm.init("gloo", rank=0, world_size=1, timeout=10) as comm:
         assert comm.process_group is None  # type: ignore[attr-defined]  # no transport at all

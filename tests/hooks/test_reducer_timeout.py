@@ -1,4 +1,4 @@
-"""Issue 5, item 2: a rank that dies or stops calling mid-backward never hangs the others.
+"""A rank that dies or stops calling mid-backward never hangs the others.
 
 The last rank fails inside a gradient hook in the middle of ``loss.backward()``: it is SIGKILLed
 (``kill``), raises an uncaught ValueError (``raise``) or sleeps for ten minutes (``stall``). The

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from test_mpi_backend import _plain_python
 
 from gradcomm.comm import Launcher, LaunchInfo
 from gradcomm.comm.backends.gloo import GlooCommunicator
 
-from dist_utils import require_mpi
+from dist_utils import plain_python, require_mpi
 
 
 @pytest.mark.parametrize(("cores", "local_world_size", "want"),
@@ -43,6 +42,6 @@ def test_mpi_needs_a_progress_thread_and_a_core(env: dict[str, str], cores: int,
         f"for k, v in {env!r}.items(): os.environ[k] = v\n"
         "print('RESULT', comm.background_progress)\n"
     )
-    proc = _plain_python(script)
+    proc = plain_python(script)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"RESULT {want}" in proc.stdout, proc.stdout + proc.stderr
