@@ -10,6 +10,7 @@ non-zero).
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from gradcomm.comm.backends.mpi_device import DeviceBufferAdapter
 with gradcomm.init("mpi", timeout=60) as comm:
     counts = run_all(comm, FLOATS + INTS + HALF + [torch.int16, torch.bool])
     few = [torch.float32, torch.int32, torch.bfloat16]
+    warnings.simplefilter("ignore", gradcomm.SlowPathWarning)  # the staging path says it is slow
     for adapter in (FakeAdapter(staged=True), DeviceBufferAdapter(False, synchronize=lambda: None)):
         comm._adapter = adapter  # the device-buffer path (CuPy or staging), without a GPU
         staged = run_all(comm, few)
