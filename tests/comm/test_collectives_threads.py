@@ -1,0 +1,56 @@
+"""reduce_scatter, all_to_all, the rooted and the object collectives on the thread backend:
+the base class's logic (checks, layouts, emulations) at 1-4 ranks, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from coll_cases import FLOATS, HALF, INTS, run_all
+
+from gradcomm.comm import Collective, SupportLevel
+from gradcomm.comm.backends.threads import ThreadGroup
+
+DTYPES = FLOATS + INTS + HALF + [torch.int16, torch.bool]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_collective_matches_the_reference(world_size: int) -> None:
+    counts = ThreadGroup(world_size, timeout=30).run(lambda comm: run_all(comm, DTYPES))
+    assert all(c == counts[0] for c in counts)
+    assert counts[0]["reduce_scatter"] > 0  # type: ignore[index]
+
+
+def test_supports_answers_per_collective() -> None:
+    def ask(comm):  # type: ignore[no-untyped-def]
+        return (comm.supports(torch.float32, collective="reduce_scatter"),
+                comm.supports(torch.complex64, collective=Collective.REDUCE_SCATTER),
+                comm.supports(torch.uint16, collective="all_to_all"),
+                comm.supports(torch.float32, "meta", collective="gather"))
+    rs, cplx, a2a, meta = ThreadGroup(1).run(ask)[0]  # type: ignore[misc]
+    assert rs.level is SupportLevel.NATIVE
+    assert cplx.level is SupportLevel.UNSUPPORTED and "all_reduce" in cplx.reason
+    assert a2a.level is SupportLevel.NATIVE  # moved as bytes
+    assert meta.level is SupportLevel.UNSUPPORTED
+    with pytest.raises(ValueError, match="unknown collective"):
+        ThreadGroup(1).communicator(0).supports(torch.float32, collective="reduce_gather")
+
+
+def test_profiler_records_every_new_collective_with_nccl_tests_sizes() -> None:
+    from gradcomm.profiler import Profiler
+
+    def run(comm):  # type: ignore[no-untyped-def]
+        prof = Profiler(comm).attach()
+        out, big = torch.zeros(4), torch.ones(8)
+        comm.reduce_scatter(out, big, label="shard")
+        comm.all_to_all(big.clone(), big)
+        comm.reduce(out, 0)
+        comm.gather(big if comm.rank == 0 else None, out, 0)
+        comm.scatter(out, big if comm.rank == 0 else None, 0)
+        comm.all_gather_object(comm.rank)
+        return [(r.op, r.bytes) for r in prof.records], [s.op for s in prof.summary().ops]
+
+    (records, ops), _ = ThreadGroup(2).run(run)  # type: ignore[misc]
+    assert records[:5] == [("reduce_scatter", 32), ("all_to_all", 32), ("reduce", 16),
+                           ("gather", 32), ("scatter", 32)]
+    assert [op for op, _ in records[5:]] == ["all_gather", "all_gather"]  # sizes, then bytes
+    assert {"reduce_scatter", "all_to_all", "reduce", "gather", "scatter"} <= set(ops)
