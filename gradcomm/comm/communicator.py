@@ -25,6 +25,8 @@ import torch
 from .emulation import average, complex_support, reduce_complex
 from .group import GroupMember
 from .observer import CollectiveObserver
+from .p2p import PointToPoint
+from .split import Splitting
 from .stalls import StallGuard
 from .tensors import flat_bytes as flat_bytes  # re-exported: the backends' byte views
 from .tensors import overlap, plain
@@ -43,7 +45,7 @@ from .work import CompletedWork, Description, DescriptionLike, Work, writing_int
 __all__ = ["Communicator", "CollectiveObserver"]
 
 
-class Communicator(GroupMember, abc.ABC):
+class Communicator(PointToPoint, Splitting, GroupMember, abc.ABC):
     """A group of ``world_size`` processes that run collectives on tensors of one device type.
 
     All collectives work in place on the given tensor and preserve its dtype and shape. Each
@@ -271,6 +273,7 @@ class Communicator(GroupMember, abc.ABC):
         """Release the transport's resources; later collectives raise RuntimeError. Idempotent."""
         if not self._closed:
             self._closed = True
+            self._close_children()  # before the transport they may share
             self._close()
             if self.profiler is not None:
                 self.profiler.communicator_closed()

@@ -49,8 +49,10 @@ import torch
 from ..communicator import Communicator
 from ..cuda_packages import cupy_pip, nccl_pip
 from ..errors import BackendUnavailableError
-from ..launcher import LaunchInfo
+from ..launcher import Launcher, LaunchInfo
+from ..p2p import Transfer
 from ..rendezvous import create_store
+from ..split import SplitPlan
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
 from .nccl import (
@@ -69,6 +71,7 @@ log = logging.getLogger("gradcomm.comm.cupy_nccl")
 _NCCL_AVG = 4  # ncclAvg, NCCL >= 2.10
 _NCCL_BFLOAT16 = 9  # ncclBfloat16, NCCL >= 2.10
 _NCCL_2_10 = 21000  # ncclGetVersion() code of 2.10.0
+_UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES; CuPy gives the id as a tuple of 128 signed chars
 
 
 def cupy_nccl_unavailable() -> Exception | None:
@@ -196,7 +199,6 @@ class CupyNCCLCommunicator(Communicator):
         problem = cupy_nccl_unavailable()
         if problem is not None:
             raise problem
-        import cupy  # type: ignore[import-not-found, unused-ignore]
         from cupy.cuda import nccl  # type: ignore[import-not-found, unused-ignore]
 
         dev = resolve_cuda_device(launch, device, self.backend)
@@ -226,12 +228,22 @@ class CupyNCCLCommunicator(Communicator):
         # The side stream NCCL runs on (see the module docstring).
         self._stream = torch.cuda.Stream(dev)
         uid = self._exchange_unique_id(launch, timeout)
-        with cupy.cuda.Device(dev.index):
-            self._comm: Any = nccl.NcclCommunicator(launch.world_size, uid, launch.rank)
+        self._connect(launch, uid)
         log.debug("cupy-nccl rank %d/%d on %s, NCCL %d", self.rank, self.world_size, dev,
                   self.nccl_version)
 
     # ------------------------------------------------------------------ set-up
+    #: Events of a batch of transfers inside ``nccl.groupStart()``, recorded after groupEnd
+    #: (NCCL enqueues the group's kernels only then); None outside a batch.
+    _batch: list[Any] | None = None
+
+    def _connect(self, launch: LaunchInfo, uid: Any) -> None:
+        import cupy  # type: ignore[import-not-found, unused-ignore]
+
+        with cupy.cuda.Device(self.device.index):
+            self._comm: Any = self._nccl_mod.NcclCommunicator(launch.world_size, uid,
+                                                              launch.rank)
+
     def _dtype_table(self, nccl: Any) -> dict[torch.dtype, int]:
         table = {
             torch.int8: nccl.NCCL_INT8,
@@ -327,6 +339,59 @@ class CupyNCCLCommunicator(Communicator):
             description,
         )
 
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        uint8 = self._nccl_mod.NCCL_UINT8  # NCCL has no tags: transfers match in order
+        return self._launch((tensor,), lambda comm, s: comm.send(ptr, nbytes, uint8, dst, s),
+                            description)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        uint8 = self._nccl_mod.NCCL_UINT8
+        return self._launch((tensor,), lambda comm, s: comm.recv(ptr, nbytes, uint8, src, s),
+                            description)
+
+    def _post_batch(self, prepared: list[Transfer]) -> list[Work]:
+        # One NCCL group: its sends and receives progress together (no order can deadlock).
+        nccl = self._nccl_mod
+        self._batch = []
+        nccl.groupStart()
+        try:
+            works = [self._post_one(p, True) for p in prepared]
+        finally:
+            nccl.groupEnd()
+            events, self._batch = self._batch, None
+            for event in events:
+                event.record(self._stream)
+        return works
+
+    def _split_child(self, plan: SplitPlan) -> CupyNCCLCommunicator | None:
+        """A new NCCL communicator per color: each group's first member makes the unique id,
+        and every rank of this communicator gathers all of them (a collective here)."""
+        nccl = self._nccl_mod
+        leader = plan.color is not None and plan.rank == 0
+        mine = torch.zeros(_UID_BYTES, dtype=torch.int16, device=self.device)
+        if leader:
+            mine.copy_(torch.tensor(nccl.get_unique_id(), dtype=torch.int16))
+        ids = torch.empty(self.world_size * _UID_BYTES, dtype=torch.int16, device=self.device)
+        self.all_gather(ids, mine)
+        if plan.color is None:
+            return None
+        first = plan.members[0]
+        uid = tuple(ids[first * _UID_BYTES:(first + 1) * _UID_BYTES].tolist())
+        launch = LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
+                            plan.local_world_size, Launcher.EXPLICIT)
+        child = object.__new__(type(self))  # this backend's state, a new NCCL communicator
+        Communicator.__init__(child, rank=plan.rank, world_size=len(plan.members),
+                              local_rank=plan.local_rank, device=self.device,
+                              timeout=self._timeout)
+        child.launch, child._store, child._nccl_mod = launch, None, nccl
+        child.nccl_version, child._dtypes, child._ops = self.nccl_version, self._dtypes, self._ops
+        child.native_reduce_ops = self.native_reduce_ops  # type: ignore[misc]
+        child._stream = torch.cuda.Stream(self.device)
+        child._connect(launch, uid)
+        return child
+
     def _barrier(self, description: DescriptionLike) -> Work:
         # An all-reduce of one element (record_stream keeps it alive until the side stream is done)
         return self._all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, description)
@@ -347,7 +412,10 @@ class CupyNCCLCommunicator(Communicator):
         for t in tensors:
             t.record_stream(side)
         event = torch.cuda.Event()
-        event.record(side)
+        if self._batch is None:
+            event.record(side)
+        else:  # inside a group: recorded once NCCL has enqueued it (see _post_batch)
+            self._batch.append(event)
         return CudaEventWork(event, description, self._timeout, self._check_async, self._abort,
                              on_complete=functools.partial(self._join, event))
 
