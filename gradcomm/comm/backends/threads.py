@@ -175,11 +175,11 @@ class ThreadCommunicator(Communicator):
 
     backend = "threads"
 
-    def __init__(self, group: ThreadGroup, rank: int) -> None:
+    def __init__(self, group: ThreadGroup, rank: int, local_rank: int | None = None) -> None:
         super().__init__(
             rank=rank,
             world_size=group.world_size,
-            local_rank=rank,
+            local_rank=rank if local_rank is None else local_rank,
             device="cpu",
             timeout=group.timeout,
         )
@@ -268,7 +268,7 @@ class ThreadCommunicator(Communicator):
     def _split_child(self, plan: SplitPlan) -> ThreadCommunicator | None:
         if plan.color is None:
             return None
-        return ThreadCommunicator(self.group._subgroup(plan), plan.rank)
+        return ThreadCommunicator(self.group._subgroup(plan), plan.rank, plan.local_rank)
 
     def _close(self) -> None:
         self._worker.shutdown(wait=False)
