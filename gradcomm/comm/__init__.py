@@ -10,7 +10,7 @@ from .launcher import Launcher, LaunchInfo, detect_launch
 from .p2p import P2POp
 from .registry import BackendStatus, available_backends, register_backend
 from .selection import BackendChoice, init, select_backend
-from .types import ReduceOp, Support, SupportLevel
+from .types import Collective, ReduceOp, Support, SupportLevel
 from .work import Work
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "Work",
     "P2POp",
     "ReduceOp",
+    "Collective",
     "Support",
     "SupportLevel",
     "CollectiveTimeoutError",

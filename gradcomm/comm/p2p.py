@@ -19,18 +19,15 @@ receives garbage or hangs until the timeout). Send and receive the same dtype an
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from .issue import IssuePath
 from .tensors import plain
 from .validation import check_call_args, check_writable
 from .work import Description, DescriptionLike, Work, writing_into
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .observer import CollectiveObserver
 
 __all__ = ["P2PKind", "P2POp", "PointToPoint", "TAG_LIMIT", "Transfer", "check_peer", "check_tag",
            "post_in_pair_order"]
@@ -102,27 +99,13 @@ def check_tag(tag: object) -> int:
     return tag
 
 
-class PointToPoint:
+class PointToPoint(IssuePath):
     """The point-to-point half of :class:`~gradcomm.comm.Communicator` (a mixin).
 
     Backends implement ``_send(tensor, dst, tag, description)`` and ``_recv(tensor, src, tag,
     description)`` on contiguous, non-empty tensors, returning a :class:`Work` at once, and
     ``_post_batch`` when posting one after another could deadlock (NCCL).
     """
-
-    if TYPE_CHECKING:  # provided by Communicator
-        _rank: int
-        _world_size: int
-        _seq: Iterator[int]
-        backend: ClassVar[str]
-        profiler: CollectiveObserver | None
-
-        def _check_open(self) -> None: ...
-        def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str: ...
-        def _issue(self, opname: str, hook: Callable[..., Work], args: tuple[object, ...],
-                   description: DescriptionLike, target: torch.Tensor | None,
-                   buf: torch.Tensor | None, label: str | None, async_op: bool) -> Work: ...
-        def _complete(self, work: Work, async_op: bool, target: torch.Tensor | None) -> Work: ...
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *,
              async_op: bool = False) -> Work:

@@ -24,9 +24,11 @@ import os
 import socket
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
+
+from .issue import IssuePath
 
 if TYPE_CHECKING:  # pragma: no cover
     from .communicator import Communicator
@@ -84,16 +86,10 @@ class SplitPlan:
         return f"gradcomm/split{self.index}/color{self.color}/"
 
 
-class Splitting:
+class Splitting(IssuePath):
     """The sub-communicator half of :class:`~gradcomm.comm.Communicator` (a mixin)."""
 
-    if TYPE_CHECKING:  # provided by Communicator
-        _rank: int
-        _world_size: int
-        _device: torch.device
-        backend: ClassVar[str]
-
-        def _check_open(self) -> None: ...
+    if TYPE_CHECKING:  # Communicator's
         def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                        async_op: bool = False) -> Work: ...
 

@@ -339,6 +339,16 @@ class CupyNCCLCommunicator(Communicator):
             description,
         )
 
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                        description: DescriptionLike) -> Work:
+        send, recv, count = input.data_ptr(), output.data_ptr(), output.numel()
+        dtype, nccl_op = self._dtypes[output.dtype], self._ops[op]
+        return self._launch(
+            (input, output),
+            lambda comm, s: comm.reduceScatter(send, recv, count, dtype, nccl_op, s),
+            description,
+        )
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         uint8 = self._nccl_mod.NCCL_UINT8  # NCCL has no tags: transfers match in order
