@@ -166,3 +166,48 @@ def check_children_closed(comm: Communicator) -> int:
     comm.close()
     assert child.closed
     return 1
+
+
+def _values(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """35 elements (not a multiple of a host's 2 ranks: the padded path), exact in ``dtype``."""
+    base = (torch.arange(35, dtype=torch.float64) * 0.37 + rank * 1.3) % 7 - 3
+    if not dtype.is_floating_point:
+        base = (base * 10).round()
+    return base.to(dtype).reshape(5, 7)
+
+
+def run_hierarchical_checks(comm: Communicator) -> int:
+    """HierarchicalAllReduce over faked hosts against the flat reference; bit-identical ranks."""
+    from gradcomm.comm import HierarchicalAllReduce, ReduceOp
+
+    r, n = comm.rank, comm.world_size
+    checks = 0
+    if n == 3:  # hosts of 2 and 1 ranks: refused on every rank
+        expect_error(ValueError, lambda: HierarchicalAllReduce(comm, host=f"host{r // 2}"),
+                     "same number of ranks")
+        checks += 1
+    per_host = 2 if n % 2 == 0 else 1
+    hier = HierarchicalAllReduce(comm, host=f"host{r // per_host}")
+    assert (hier.intra.world_size, hier.inter.world_size) == (per_host, n // per_host)
+    cases = [(torch.float64, ReduceOp.SUM), (torch.float32, ReduceOp.AVG),
+             (torch.int64, ReduceOp.SUM), (torch.int32, ReduceOp.MAX),
+             (torch.bfloat16, ReduceOp.SUM)]
+    for dtype, op in cases:
+        for contiguous in (True, False):
+            mine = _values(r, dtype)
+            if not contiguous:
+                mine = mine.t().contiguous().t()
+            stack = torch.stack([_values(q, dtype).double() for q in range(n)])
+            ref = {ReduceOp.SUM: stack.sum(0), ReduceOp.AVG: stack.mean(0),
+                   ReduceOp.MAX: stack.max(0).values}[op]
+            hier.all_reduce(mine, op)
+            tol = {torch.bfloat16: 0.05, torch.float32: 1e-5}.get(dtype, 1e-12)
+            assert torch.allclose(mine.double(), ref, rtol=tol, atol=tol), (dtype, op, mine)
+            # bit-identical on every rank
+            everyone = torch.empty(n * 35, dtype=dtype)
+            comm.all_gather(everyone, mine.contiguous().view(-1))
+            rows = everyone.view(n, 35).view(torch.uint8)  # bytes: NaN-safe, bit for bit
+            assert all(torch.equal(rows[0], rows[q]) for q in range(n)), (dtype, op)
+            checks += 2
+    hier.close()
+    return checks

@@ -1,4 +1,5 @@
-"""send/recv/batch_isend_irecv and split/split_by_host against a single-process reference.
+"""send/recv/batch_isend_irecv, split/split_by_host and the hierarchical all-reduce against a
+single-process reference.
 
 The checks live in ``tests/p2p_split_checks.py``: here they run on the thread backend (fast) and
 on spawned gloo ranks (one job per world size, every case in it); ``test_mpi_p2p_split.py``
@@ -12,6 +13,7 @@ import torch
 from p2p_split_checks import (
     check_children_closed,
     expect_error,
+    run_hierarchical_checks,
     run_p2p_checks,
     run_split_checks,
 )
@@ -23,7 +25,8 @@ from dist_utils import run_processes
 
 
 def _all(comm: gradcomm.Communicator) -> int:
-    return run_p2p_checks(comm) + run_split_checks(comm) + check_children_closed(comm)
+    return (run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
+            + check_children_closed(comm))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -54,7 +57,7 @@ def test_recv_without_send_times_out() -> None:
 
 def _gloo_job(rank: int, world_size: int) -> int:
     with gradcomm.init("gloo", timeout=60) as comm:
-        count = run_p2p_checks(comm) + run_split_checks(comm)
+        count = run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
         return count + check_children_closed(comm)
 
 

@@ -1,5 +1,6 @@
-"""Run under ``mpiexec -n N``: send/recv/batch_isend_irecv and split/split_by_host on the MPI
-backend against a single-process reference (``tests/p2p_split_checks.py``).
+"""Run under ``mpiexec -n N``: send/recv/batch_isend_irecv, split/split_by_host and the
+hierarchical all-reduce on the MPI backend against a single-process reference
+(``tests/p2p_split_checks.py``).
 
 Prints ``RESULT p2p_split ok rank=<r> world=<n> checks=<k>``; a wrong value raises
 AssertionError naming the case (the abort hook then ends the job non-zero).
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the s
 from p2p_split_checks import (
     check_children_closed,
     expect_error,
+    run_hierarchical_checks,
     run_p2p_checks,
     run_split_checks,
 )
@@ -26,7 +28,7 @@ import gradcomm
 
 def main() -> None:
     comm = gradcomm.init("mpi", timeout=60)
-    checks = run_p2p_checks(comm) + run_split_checks(comm)
+    checks = run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
     if comm.world_size > 1:  # MPI accepts a shorter message; the receive checks the count
         if comm.rank == 0:
             comm.send(torch.zeros(3), 1)
