@@ -6,7 +6,7 @@ add a backend, and :func:`detect_launch` for launcher detection.
 
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
-from .hierarchical import HierarchicalAllReduce, hierarchical_all_reduce
+from .hierarchical import HierarchicalAllReduce
 from .launcher import Launcher, LaunchInfo, detect_launch
 from .p2p import P2POp
 from .registry import BackendStatus, available_backends, register_backend
@@ -19,7 +19,6 @@ __all__ = [
     "Work",
     "P2POp",
     "HierarchicalAllReduce",
-    "hierarchical_all_reduce",
     "ReduceOp",
     "Collective",
     "Support",

@@ -17,13 +17,13 @@ from mpi_scripts.reducer_common import (
     make_model,
     reference_grads,
 )
+from p2p_split_checks import expect_error
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.hooks import GradientReducer
 
 from dist_utils import run_processes
-from p2p_split_checks import expect_error
 
 
 def _grads(comm: gradcomm.Communicator, hierarchical: bool) -> torch.Tensor:
