@@ -55,11 +55,11 @@ from ..rendezvous import create_store
 from ..split import SplitPlan
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
+from .cuda_event import CudaEventWork
 from .nccl import (
     NCCL_REDUCE_OPS,
     check_same_device,
     nccl_support,
-    poll_until_done,
     resolve_cuda_device,
 )
 
@@ -114,57 +114,6 @@ def as_tensor(array: Any) -> torch.Tensor:
     if not hasattr(array, "__dlpack__"):
         raise TypeError(f"expected a CuPy array (with __dlpack__), got {type(array).__name__}")
     return torch.from_dlpack(array)
-
-
-class CudaEventWork(Work):
-    """A collective enqueued on a CUDA stream, complete when ``event`` (recorded after it) is.
-
-    Args:
-        event: an object with ``query() -> bool`` (a :class:`torch.cuda.Event`).
-        description: for error messages.
-        timeout: default timeout of :meth:`wait`, seconds.
-        check_error: called while polling; raises RuntimeError on an asynchronous NCCL error.
-        on_timeout: called once when :meth:`wait` times out, before it raises.
-        on_complete: called once when the event is found complete, before the callbacks run
-            (makes the current stream wait for the event).
-    """
-
-    def __init__(
-        self,
-        event: Any,
-        description: DescriptionLike,
-        timeout: float | None,
-        check_error: Callable[[], None],
-        on_timeout: Callable[[], None],
-        on_complete: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(description, timeout)
-        self._event = event
-        self._check_error = check_error
-        self._on_cuda_timeout = on_timeout
-        self._on_complete = on_complete
-
-    _aborted = False
-
-    def _test(self) -> bool:
-        if self._aborted:  # the event will never be reached: fail, do not stay "pending"
-            raise RuntimeError(f"{self.description} timed out and NCCL was aborted; make a new "
-                               "communicator")
-        if bool(self._event.query()):
-            if self._on_complete is not None:
-                self._on_complete()
-                self._on_complete = None
-            return True
-        self._check_error()
-        return False
-
-    def _wait(self, timeout: float | None) -> None:
-        poll_until_done(self._test, timeout, self._expire,
-                        f"{self.description}: CUDA event not reached")
-
-    def _expire(self) -> None:
-        self._aborted = True
-        self._on_cuda_timeout()
 
 
 class CupyNCCLCommunicator(Communicator):
@@ -348,6 +297,65 @@ class CupyNCCLCommunicator(Communicator):
             lambda comm, s: comm.reduceScatter(send, recv, count, dtype, nccl_op, s),
             description,
         )
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+                    input_counts: list[int], description: DescriptionLike) -> Work:
+        # NCCL has no all-to-all call: one send and one receive per peer inside a group call is
+        # how NCCL's own documentation (and ProcessGroupNCCL) builds it.
+        size = input.element_size()
+        return self._exchange_bytes(output, input, [c * size for c in output_counts],
+                                    [c * size for c in input_counts], description)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
+                description: DescriptionLike) -> Work:
+        ptr, count = tensor.data_ptr(), tensor.numel()
+        dtype, nccl_op = self._dtypes[tensor.dtype], self._ops[op]
+        return self._launch(
+            (tensor,), lambda comm, s: comm.reduce(ptr, ptr, count, dtype, nccl_op, dst, s),
+            description,
+        )
+
+    def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
+                description: DescriptionLike) -> Work:
+        # NCCL has no gather: sends to the root and, on it, one receive per rank, in a group.
+        n = input.numel() * input.element_size()
+        counts = [n if output is not None else 0] * self.world_size
+        sends = [n if peer == dst else 0 for peer in range(self.world_size)]
+        return self._exchange_bytes(output, input, counts, sends, description)
+
+    def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
+                 description: DescriptionLike) -> Work:
+        n = output.numel() * output.element_size()
+        sends = [n if input is not None else 0] * self.world_size
+        counts = [n if peer == src else 0 for peer in range(self.world_size)]
+        return self._exchange_bytes(output, input, counts, sends, description)
+
+    def _exchange_bytes(self, output: torch.Tensor | None, input: torch.Tensor | None,
+                        recv_bytes: list[int], send_bytes: list[int],
+                        description: DescriptionLike) -> Work:
+        """One group of sends and receives: ``send_bytes[p]`` bytes of ``input`` (consecutive,
+        rank order) to each peer ``p``, ``recv_bytes[p]`` into ``output`` from each."""
+        nccl, uint8 = self._nccl_mod, self._nccl_mod.NCCL_UINT8
+        send = 0 if input is None else input.data_ptr()
+        recv = 0 if output is None else output.data_ptr()
+
+        def call(comm: Any, stream: int) -> None:
+            nccl.groupStart()
+            try:
+                at_send = at_recv = 0
+                for peer, (n_send, n_recv) in enumerate(zip(send_bytes, recv_bytes,
+                                                            strict=True)):
+                    if n_send:
+                        comm.send(send + at_send, n_send, uint8, peer, stream)
+                    if n_recv:
+                        comm.recv(recv + at_recv, n_recv, uint8, peer, stream)
+                    at_send += n_send
+                    at_recv += n_recv
+            finally:
+                nccl.groupEnd()
+
+        tensors = tuple(t for t in (input, output) if t is not None)
+        return self._launch(tensors, call, description)
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
