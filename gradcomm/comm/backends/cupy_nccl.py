@@ -387,16 +387,18 @@ class CupyNCCLCommunicator(Communicator):
         """A new NCCL communicator per color: each group's first member makes the unique id,
         and every rank of this communicator gathers all of them (a collective here)."""
         nccl = self._nccl_mod
-        leader = plan.color is not None and plan.rank == 0
-        mine = torch.zeros(_UID_BYTES, dtype=torch.int16, device=self.device)
-        if leader:
-            mine.copy_(torch.tensor(nccl.get_unique_id(), dtype=torch.int16))
-        ids = torch.empty(self.world_size * _UID_BYTES, dtype=torch.int16, device=self.device)
-        self.all_gather(ids, mine)
+        if self.world_size == 1:  # nobody to tell
+            uid = nccl.get_unique_id() if plan.color is not None else None
+        else:
+            mine = torch.zeros(_UID_BYTES, dtype=torch.int16, device=self.device)
+            if plan.color is not None and plan.rank == 0:
+                mine.copy_(torch.tensor(nccl.get_unique_id(), dtype=torch.int16))
+            ids = torch.empty(self.world_size * _UID_BYTES, dtype=torch.int16, device=self.device)
+            self.all_gather(ids, mine)
+            first = plan.members[0] if plan.members else 0
+            uid = tuple(ids[first * _UID_BYTES:(first + 1) * _UID_BYTES].tolist())
         if plan.color is None:
             return None
-        first = plan.members[0]
-        uid = tuple(ids[first * _UID_BYTES:(first + 1) * _UID_BYTES].tolist())
         launch = LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
                             plan.local_world_size, Launcher.EXPLICIT)
         child = object.__new__(type(self))  # this backend's state, a new NCCL communicator
