@@ -58,7 +58,7 @@ class P2POp:
         ValueError: ``op`` names neither direction.
     """
 
-    op: P2PKind
+    op: P2PKind | str | Callable[..., object]  # a P2PKind once constructed
     tensor: torch.Tensor
     peer: int
     tag: int = 0
@@ -163,7 +163,7 @@ class PointToPoint(IssuePath):
         if not isinstance(ops, Sequence) or not all(isinstance(o, P2POp) for o in ops):
             raise TypeError("batch_isend_irecv takes a list of P2POp")
         self._check_open()
-        prepared = [self._prepare_p2p(o.op, o.tensor, o.peer, o.tag) for o in ops]
+        prepared = [self._prepare_p2p(_kind(o.op), o.tensor, o.peer, o.tag) for o in ops]
         return self._post_batch(prepared)
 
     # ------------------------------------------------------------------ internals
