@@ -136,7 +136,7 @@ def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str,
 
     return {
         "tool": "gradcomm.bench",
-        "collective": "all_reduce",
+        "collective": ",".join(args.collective or ["all_reduce"]),
         **run_metadata([*_launch_prefix(launcher, world_size), "python", "-m", "gradcomm.bench",
                         *sys.argv[1:]]),
         "world_size": world_size,
@@ -149,7 +149,9 @@ def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str,
         "stat": args.stat,
         "device": args.device,
         "time": f"max over ranks of each rank's {args.stat} (see --stat)",
-        "busbw": "algbw * 2(n-1)/n (nccl-tests doc/PERFORMANCE.md)",
+        "busbw": "algbw * nccl-tests' factor (doc/PERFORMANCE.md): all_reduce 2(n-1)/n; "
+                 "reduce_scatter, all_gather, all_to_all, gather, scatter (n-1)/n; broadcast, "
+                 "reduce 1",
     }
 
 

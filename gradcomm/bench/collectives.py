@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._profile_records import bus_factor as profile_bus_factor
 from ..comm.communicator import Communicator
 from ..comm.p2p import P2POp
 from ..comm.types import Collective, ReduceOp
@@ -39,13 +40,9 @@ SWEPT = (Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_TO_ALL
 
 def bus_factor(collective: Collective, world_size: int) -> float:
     """nccl-tests' bus-bandwidth factor: all_reduce ``2(n-1)/n``; reduce_scatter, all_gather,
-    all_to_all, gather and scatter ``(n-1)/n``; broadcast, reduce and sendrecv 1."""
-    n = world_size
-    if collective is Collective.ALL_REDUCE:
-        return 2.0 * (n - 1) / n
-    if collective in (Collective.BROADCAST, Collective.REDUCE, Collective.SENDRECV):
-        return 1.0
-    return (n - 1) / n
+    all_to_all, gather and scatter ``(n-1)/n``; broadcast, reduce and sendrecv 1 (the
+    profiler's)."""
+    return profile_bus_factor(collective.value, world_size)
 
 
 class _Case:
@@ -106,6 +103,9 @@ class _Case:
         g, big, other, root = raw.group, self.big, self.other, self.root
         red = getattr(dist.ReduceOp, "PRODUCT" if self.op is ReduceOp.PRODUCT else self.op.name)
         chunks = list(big.chunk(self.comm.world_size))
+        # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
+        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
         if self.collective is Collective.SENDRECV:
             right, left = self.right, self.left
 
@@ -117,8 +117,8 @@ class _Case:
 
             return sendrecv
         return {
-            Collective.REDUCE_SCATTER: lambda: dist.reduce_scatter_tensor(other, big, red, g),
-            Collective.ALL_GATHER: lambda: dist.all_gather_into_tensor(big, other, g),
+            Collective.REDUCE_SCATTER: lambda: reduce_scatter(other, big, red, g),
+            Collective.ALL_GATHER: lambda: all_gather(big, other, g),
             Collective.ALL_TO_ALL: lambda: dist.all_to_all_single(big, other, group=g),
             Collective.BROADCAST: lambda: dist.broadcast(big, 0, g),
             Collective.REDUCE: lambda: dist.reduce(big, 0, red, g),

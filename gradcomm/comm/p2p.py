@@ -191,9 +191,9 @@ class PointToPoint(IssuePath):
         if p.buf.numel() == 0:  # nothing moves; both sides see an empty tensor
             return self._complete(_done(p), async_op, p.tensor)
         hook = self._send if p.kind is P2PKind.SEND else self._recv
+        # A receive writes back into a non-contiguous tensor; a send has nothing to write.
         target = p.tensor if p.kind is P2PKind.RECV else None
-        buf = p.buf if p.kind is P2PKind.RECV else None
-        return self._issue(p.kind.value, hook, (p.buf, p.peer, p.tag), p.desc, target, buf,
+        return self._issue(p.kind.value, hook, (p.buf, p.peer, p.tag), p.desc, target, p.buf,
                            None, async_op)
 
     def _post_batch(self, prepared: list[Transfer]) -> list[Work]:

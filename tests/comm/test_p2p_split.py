@@ -68,3 +68,20 @@ def _gloo_job(rank: int, world_size: int) -> int:
 def test_gloo_every_case(n: int) -> None:
     counts = run_processes(_gloo_job, n, timeout=200)
     assert len(counts) == n and all(c > 10 for c in counts)
+
+
+def test_profiler_records_send_and_recv_and_a_child_has_its_own() -> None:
+    from gradcomm.profiler import Profiler
+
+    def body(comm: gradcomm.Communicator) -> list[tuple[str, int]]:
+        prof = Profiler(comm).attach()
+        peer = 1 - comm.rank
+        works = comm.batch_isend_irecv([gradcomm.comm.P2POp("send", torch.ones(8), peer),
+                                        gradcomm.comm.P2POp("recv", torch.zeros(4, 2).t(), peer)])
+        for w in works:
+            w.wait()
+        child = comm.split(0)
+        assert child is not None and child.profiler is None
+        return sorted((r.op, r.bytes) for r in prof.records if r.op in ("send", "recv"))
+
+    assert ThreadGroup(2, timeout=20).run(body) == [[("recv", 32), ("send", 32)]] * 2
