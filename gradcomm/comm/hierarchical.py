@@ -39,8 +39,9 @@ def hierarchical_all_reduce(tensor: torch.Tensor, intra: Communicator, inter: Co
 
     Args:
         tensor: any shape; a dtype ``intra`` and ``inter`` can reduce; on their device.
-        intra, inter: from ``comm.split_by_host()`` of one communicator whose hosts all hold the
-            same number of ranks (:class:`HierarchicalAllReduce` checks that).
+        intra: the ranks of this host, from ``comm.split_by_host()`` of one communicator whose
+            hosts all hold the same number of ranks (:class:`HierarchicalAllReduce` checks that).
+        inter: the ranks with this rank's ``intra.rank``, one per host (the same call's).
         op: a :class:`ReduceOp` or its name.
         label: names the data in error messages and profiles.
 
