@@ -11,9 +11,10 @@ int in ``[0, 2**15)`` (the smallest tag bound MPI guarantees), the tensor one th
 takes, a ``recv`` buffer writable. A bad argument raises on that rank, before any transport call;
 its peer, which cannot know, waits until the communicator's timeout
 (:class:`~gradcomm.CollectiveTimeoutError`). Whether the two sides agree -- same number of
-bytes, matching tags -- only the transport sees: a size mismatch is an error of the transport
-(gloo and MPI raise RuntimeError from ``wait()``; NCCL, which has no tags and no size check,
-receives garbage or hangs until the timeout). Send and receive the same dtype and numel.
+bytes, matching tags -- only the transport sees, and not every one checks: MPI and the thread
+backend raise RuntimeError from ``wait()`` on a size mismatch; gloo accepts a shorter message
+silently and aborts the receiving process on a longer one; NCCL (no tags) does not check.
+Send and receive the same dtype and numel (docs/p2p-and-groups.md).
 """
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ class PointToPoint(IssuePath):
             TypeError: not a tensor, sparse, ``src``/``tag`` not an int, ``async_op`` not a bool.
             ValueError: ``src`` out of range or this rank, tag out of range, wrong device,
                 elements sharing memory (``expand()``).
-            RuntimeError: the communicator is closed; from ``wait()``, a size mismatch the
-                transport detected.
+            RuntimeError: the communicator is closed; from ``wait()``, a size mismatch on mpi
+                (gloo accepts a shorter message silently and aborts on a longer one; NCCL does
+                not check: see the module docstring).
         """
         return self._p2p(P2PKind.RECV, tensor, src, tag, async_op)
 
