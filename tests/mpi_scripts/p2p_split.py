@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared checks
 
+from mpi_backend_staging import FakeAdapter
 from p2p_split_checks import (
     check_children_closed,
     expect_error,
@@ -24,6 +25,7 @@ from p2p_split_checks import (
 )
 
 import gradcomm
+from gradcomm.comm.backends.mpi_device import DeviceBufferAdapter
 
 
 def main() -> None:
@@ -36,6 +38,11 @@ def main() -> None:
             work = comm.recv(torch.zeros(4), 0, async_op=True)
             expect_error(RuntimeError, work.wait, "received 12 bytes")
         checks += 1
+    # the device-buffer path (CuPy views or host staging) without a GPU, as collectives_more.py
+    for adapter in (FakeAdapter(staged=True), DeviceBufferAdapter(False, synchronize=lambda: None)):
+        comm._adapter = adapter
+        checks += run_p2p_checks(comm)
+    comm._adapter = None
     rank, size = comm.rank, comm.world_size
     checks += check_children_closed(comm)
     sys.stdout.write(f"RESULT p2p_split ok rank={rank} world={size} checks={checks}\n")
