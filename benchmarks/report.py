@@ -25,6 +25,7 @@ BASELINES = (
     ("call_overhead.json", "Per-call overhead, call by call"),
     ("allreduce.json", "All-reduce sweep"),
     ("collectives.json", "Sweep of the other collectives"),
+    ("sendrecv.json", "Send/recv sweep"),
 )
 PLOT = "allreduce_busbw.png"
 

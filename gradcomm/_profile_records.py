@@ -18,7 +18,8 @@ def bus_factor(op: str, world_size: int) -> float:
     Args:
         op: ``"all_reduce"`` (``2(n-1)/n``); ``"all_gather"``, ``"reduce_scatter"``,
             ``"all_to_all"``, ``"gather"``, ``"scatter"`` (``(n-1)/n``); ``"broadcast"``,
-            ``"reduce"`` (``1``); or ``"barrier"`` (``0``: it moves no payload).
+            ``"reduce"``, ``"send"``, ``"recv"``, ``"sendrecv"`` (``1``); or ``"barrier"``
+            (``0``: it moves no payload).
         world_size: ``n``, the number of ranks (>= 1).
 
     Raises:
@@ -31,13 +32,13 @@ def bus_factor(op: str, world_size: int) -> float:
         return 2.0 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
-    if op in ("broadcast", "reduce"):
+    if op in ("broadcast", "reduce", "send", "recv", "sendrecv"):
         return 1.0
     if op == "barrier":
         return 0.0
     raise ValueError(
         f"unknown collective {op!r}; known: all_reduce, all_gather, reduce_scatter, all_to_all, "
-        "gather, scatter, broadcast, reduce, barrier"
+        "gather, scatter, broadcast, reduce, send, recv, sendrecv, barrier"
     )
 
 

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--collective", action="append", default=None,
                    help="collective(s) to sweep, comma-separated: all_reduce (default), "
                         "reduce_scatter, all_gather, all_to_all, broadcast, reduce, gather, "
-                        "scatter, or all")
+                        "scatter, sendrecv (send/recv ring), or all")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed calls per round (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5, help="untimed calls first (default 5)")
     p.add_argument("-r", "--repeats", type=int, default=3,
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
     say(f"# time: max over ranks of the {args.stat} per call over {args.repeats} rounds; "
         "busbw = algbw * nccl-tests' factor: all_reduce 2(n-1)/n; reduce_scatter, all_gather, "
-        "all_to_all, gather, scatter (n-1)/n; broadcast, reduce 1")
+        "all_to_all, gather, scatter (n-1)/n; broadcast, reduce, sendrecv 1")
     if launch.world_size == 1:
         say("# world_size 1: gradcomm issues no collective (all_reduce returns at once), while the "
             "raw column is the transport's own 1-rank call, so ratio and overhead compare "

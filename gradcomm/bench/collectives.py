@@ -2,13 +2,17 @@
 
 Sizes follow nccl-tests: ``size`` is the bytes of the larger buffer of one rank -- the input of
 reduce_scatter and scatter (root), the output of all_gather and gather (root), the buffer of
-all_to_all, broadcast and reduce -- and ``busbw = algbw * factor`` with nccl-tests' factors
+all_to_all, broadcast and reduce, what each rank sends for sendrecv -- and
+``busbw = algbw * factor`` with nccl-tests' factors
 (:func:`bus_factor`). The raw column calls the same collective of the transport directly:
 ``torch.distributed`` (``reduce_scatter_tensor``, ``all_gather_into_tensor``,
 ``all_to_all_single``, ``broadcast``, ``reduce``, ``gather``, ``scatter``) or mpi4py
 (``Reduce_scatter_block``, ``Allgather``, ``Alltoall``, ``Bcast``, ``Reduce``, ``Gather``,
-``Scatter``). Timing is :func:`~gradcomm.bench.sweep.measure`'s. After timing, one call on
-rank-dependent data is checked (the ``#wrong`` column).
+``Scatter``; for sendrecv -- every rank sends to ``rank + 1`` and receives from ``rank - 1`` at
+once, as nccl-tests' ``sendrecv_perf`` -- torch's ``batch_isend_irecv`` and mpi4py's
+``Sendrecv``, beside gradcomm's ``batch_isend_irecv``). Timing is
+:func:`~gradcomm.bench.sweep.measure`'s. After timing, one call on rank-dependent data is checked
+(the ``#wrong`` column).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from .._profile_records import bus_factor as profile_bus_factor
 from ..comm.communicator import Communicator
+from ..comm.p2p import P2POp
 from ..comm.types import Collective, ReduceOp
 from .metrics import algbw, dtype_name, op_name
 from .results import SweepRow
@@ -29,12 +34,14 @@ __all__ = ["SWEPT", "bus_factor", "run_collective_sweep"]
 
 #: The collectives :func:`run_collective_sweep` measures (all_reduce: :func:`run_sweep`).
 SWEPT = (Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_TO_ALL,
-         Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER)
+         Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER,
+         Collective.SENDRECV)
 
 
 def bus_factor(collective: Collective, world_size: int) -> float:
     """nccl-tests' bus-bandwidth factor: all_reduce ``2(n-1)/n``; reduce_scatter, all_gather,
-    all_to_all, gather and scatter ``(n-1)/n``; broadcast and reduce 1 (the profiler's)."""
+    all_to_all, gather and scatter ``(n-1)/n``; broadcast, reduce and sendrecv 1 (the
+    profiler's)."""
     return profile_bus_factor(collective.value, world_size)
 
 
@@ -45,7 +52,7 @@ class _Case:
                  dtype: torch.dtype, op: ReduceOp) -> None:
         n, dev = comm.world_size, comm.device
         elem = torch.empty((), dtype=dtype).element_size()
-        if collective in (Collective.BROADCAST, Collective.REDUCE):
+        if collective in (Collective.BROADCAST, Collective.REDUCE, Collective.SENDRECV):
             self.chunk = self.count = max(1, size // elem)
         else:  # world_size equal chunks (all_to_all: of its one buffer size)
             self.chunk = max(1, size // elem // n)
@@ -54,12 +61,15 @@ class _Case:
         self.big = fill(self.count, dtype=dtype, device=dev)
         self.other = fill(self.chunk if collective is not Collective.ALL_TO_ALL else self.count,
                           dtype=dtype, device=dev)
+        self.right, self.left = (comm.rank + 1) % n, (comm.rank - 1) % n  # sendrecv's peers
         self.collective, self.op, self.comm = collective, op, comm
         self.root = comm.rank == 0
 
     def ours(self) -> Callable[[], object]:
         """gradcomm's blocking call."""
         comm, big, other, op, root = self.comm, self.big, self.other, self.op, self.root
+        if self.collective is Collective.SENDRECV:
+            return self._sendrecv
         return {
             Collective.REDUCE_SCATTER: lambda: comm.reduce_scatter(other, big, op),
             Collective.ALL_GATHER: lambda: comm.all_gather(big, other),
@@ -70,8 +80,17 @@ class _Case:
             Collective.SCATTER: lambda: comm.scatter(other, big if root else None, 0),
         }[self.collective]
 
+    def _sendrecv(self) -> None:
+        if self.comm.world_size == 1:  # no peer: nothing moves (as all_reduce at world_size 1)
+            return
+        ops = [P2POp("send", self.big, self.right), P2POp("recv", self.other, self.left)]
+        for work in self.comm.batch_isend_irecv(ops):
+            work.wait()
+
     def raw(self, raw: RawTransport) -> Callable[[], object] | None:
         """The transport's own blocking call (None: no raw call for this transport)."""
+        if self.collective is Collective.SENDRECV and self.comm.world_size == 1:
+            return None
         if isinstance(raw, TorchDistRaw):
             return self._torch(raw)
         if isinstance(raw, MPIRaw):
@@ -87,6 +106,16 @@ class _Case:
         # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
         reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
         all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        if self.collective is Collective.SENDRECV:
+            right, left = self.right, self.left
+
+            def sendrecv() -> None:
+                ops = [dist.P2POp(dist.isend, big, right, g),
+                       dist.P2POp(dist.irecv, other, left, g)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+
+            return sendrecv
         return {
             Collective.REDUCE_SCATTER: lambda: reduce_scatter(other, big, red, g),
             Collective.ALL_GATHER: lambda: all_gather(big, other, g),
@@ -104,6 +133,9 @@ class _Case:
         big, other = self.big.numpy(), self.other.numpy()
         mop = raw.mpi_op(self.op) if self.collective.reduces else None
         in_place: Any = MPI.IN_PLACE
+        if self.collective is Collective.SENDRECV:
+            right, left = self.right, self.left
+            return lambda: c.Sendrecv(big, right, recvbuf=other, source=left)
         return {
             Collective.REDUCE_SCATTER: lambda: c.Reduce_scatter_block(big, other, mop),
             Collective.ALL_GATHER: lambda: c.Allgather(other, big),
@@ -132,6 +164,10 @@ class _Case:
             self.other.copy_((idx + 1) * 10 + r)  # chunk j for rank j: 10 (j + 1) + r
             self.ours()()
             return int((self.big != (r + 1) * 10 + idx).sum())
+        if c is Collective.SENDRECV:
+            self.big.fill_(r)
+            self.ours()()
+            return 0 if n == 1 else int((self.other != (r - 1) % n).sum())
         if c is Collective.BROADCAST:
             self.big.fill_(1 if r == 0 else 0)
             self.ours()()

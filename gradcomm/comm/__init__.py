@@ -6,7 +6,9 @@ add a backend, and :func:`detect_launch` for launcher detection.
 
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
+from .hierarchical import HierarchicalAllReduce
 from .launcher import Launcher, LaunchInfo, detect_launch
+from .p2p import P2POp
 from .registry import BackendStatus, available_backends, register_backend
 from .selection import BackendChoice, init, select_backend
 from .types import Collective, ReduceOp, Support, SupportLevel
@@ -15,6 +17,8 @@ from .work import Work
 __all__ = [
     "Communicator",
     "Work",
+    "P2POp",
+    "HierarchicalAllReduce",
     "ReduceOp",
     "Collective",
     "Support",

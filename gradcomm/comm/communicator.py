@@ -25,8 +25,10 @@ from .emulation import average, reduce_complex
 from .issue import IssuePath
 from .object_ops import ObjectOps
 from .observer import CollectiveObserver
+from .p2p import PointToPoint
 from .rooted_ops import RootedOps
 from .shard_ops import ShardOps
+from .split import Splitting
 from .stalls import StallGuard
 from .support import collective_support
 from .tensors import flat_bytes as flat_bytes  # re-exported: the backends' byte views
@@ -46,13 +48,15 @@ from .work import CompletedWork, Description, DescriptionLike, Work, writing_int
 __all__ = ["Communicator", "CollectiveObserver"]
 
 
-class Communicator(ShardOps, RootedOps, ObjectOps, IssuePath, abc.ABC):
+class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, IssuePath,
+                   abc.ABC):
     """A group of ``world_size`` processes that run collectives on tensors of one device type.
 
     All collectives work in place on the given tensor and preserve its dtype and shape. Each
     returns a :class:`~gradcomm.comm.Work`; with ``async_op=False`` (default) it is already
     complete. Every rank must call the same collectives in the same order with tensors of the same
-    numel and dtype.
+    numel and dtype. Point-to-point transfers are :class:`~gradcomm.comm.p2p.PointToPoint`'s,
+    sub-communicators :class:`~gradcomm.comm.split.Splitting`'s.
 
     While a collective whose wait timed out is still pending, every new one raises RuntimeError
     at once (see :mod:`~gradcomm.comm.stalls`). The constructor's arguments (rank, world_size,
@@ -285,6 +289,7 @@ class Communicator(ShardOps, RootedOps, ObjectOps, IssuePath, abc.ABC):
         """Release the transport's resources; later collectives raise RuntimeError. Idempotent."""
         if not self._closed:
             self._closed = True
+            self._close_children()  # before the transport they may share
             self._close()
             if self.profiler is not None:
                 self.profiler.communicator_closed()

@@ -71,6 +71,8 @@ class Collective(enum.Enum):
     ALL_TO_ALL = "all_to_all"
     GATHER = "gather"
     SCATTER = "scatter"
+    #: send/recv (point-to-point; nccl-tests' ``sendrecv``): moves data, any dtype
+    SENDRECV = "sendrecv"
 
     @property
     def reduces(self) -> bool:

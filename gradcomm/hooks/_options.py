@@ -144,26 +144,29 @@ class ReducerOptions:
     gradient_predivide_factor: float | None
     overlap: bool
     broadcast_parameters: bool
+    hierarchical: bool = False
 
     @classmethod
     def checked(
         cls, *, bucket_cap_mb: object, first_bucket_cap_mb: object, in_place_min_mb: object,
         gradient_as_bucket_view: object, broadcast_buffers: object,
         gradient_predivide_factor: object, overlap: object, broadcast_parameters: object,
+        hierarchical: object = False, custom_hook: bool = False,
     ) -> ReducerOptions:
         """The options, validated in the order of the reducer's signature.
 
         Raises:
             TypeError: a size or factor that is not a number (or is a bool), a flag that is not
                 a bool. ValueError: a cap that is not positive (or not finite in bytes), a
-                negative or NaN ``in_place_min_mb``.
+                negative or NaN ``in_place_min_mb``, ``hierarchical=True`` with a comm hook
+                other than the plain all-reduce (``custom_hook``).
         """
         cap = _checked_cap_mb("bucket_cap_mb", bucket_cap_mb)
         first = (None if first_bucket_cap_mb is None
                  else _checked_cap_mb("first_bucket_cap_mb", first_bucket_cap_mb))
         flags = {"gradient_as_bucket_view": gradient_as_bucket_view,
                  "broadcast_buffers": broadcast_buffers, "overlap": overlap,
-                 "broadcast_parameters": broadcast_parameters}
+                 "broadcast_parameters": broadcast_parameters, "hierarchical": hierarchical}
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -176,8 +179,11 @@ class ReducerOptions:
                 )
             factor = float(f)  # 2 and 2.0 (and numpy scalars) alike
         in_place = None if in_place_min_mb is None else _checked_in_place_min_mb(in_place_min_mb)
+        if hierarchical and custom_hook:
+            raise ValueError("hierarchical=True sums buckets with its own hook; it cannot be "
+                             "combined with a comm_hook other than 'allreduce'")
         return cls(cap, first, in_place, bool(gradient_as_bucket_view), bool(broadcast_buffers),
-                   factor, bool(overlap), bool(broadcast_parameters))
+                   factor, bool(overlap), bool(broadcast_parameters), bool(hierarchical))
 
     def check_comm(self, comm: Communicator) -> None:
         """Check what depends on the communicator.

@@ -48,6 +48,7 @@ import torch
 
 from ..comm.communicator import Communicator
 from ..comm.errors import SlowPathWarning, brief
+from ..comm.hierarchical import HierarchicalAllReduce
 from ..comm.types import ReduceOp
 from ..comm.work import Work
 
@@ -174,6 +175,15 @@ def allreduce_hook(comm: Communicator, bucket: GradBucket) -> Work:
     flat = bucket.buffer()
     warn_if_slow(comm, flat.dtype, flat.device)
     return comm.all_reduce(flat, ReduceOp.SUM, async_op=True, label=bucket.label())
+
+
+def hierarchical_hook(state: HierarchicalAllReduce, bucket: GradBucket) -> Work:
+    """Sum ``bucket.buffer()`` by :class:`~gradcomm.comm.HierarchicalAllReduce` (intra-host
+    reduce_scatter, inter-host all_reduce, intra-host all_gather); the returned Work is complete.
+    :class:`~gradcomm.hooks.GradientReducer` uses it with ``hierarchical=True``."""
+    flat = bucket.buffer()
+    warn_if_slow(state.comm, flat.dtype, flat.device)
+    return state.all_reduce(flat, ReduceOp.SUM, label=bucket.label())
 
 
 def compress_wrapper(hook: CommHookFn, dtype: torch.dtype) -> CommHookFn:

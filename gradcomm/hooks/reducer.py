@@ -52,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..comm.communicator import Communicator
 from ..comm.errors import MESSAGE_LIMIT, brief
+from ..comm.hierarchical import HierarchicalAllReduce
 from ._autograd import ForwardPreHook, PassRef, StrongRef, before_accumulate, on_grad_ready
 from ._backward import BackwardPass, CommHookSlot
 from ._buckets import (
@@ -71,7 +72,14 @@ from ._options import (
     resolve_in_place_min_mb,
 )
 from ._sync import broadcast_tensors, check_fingerprint
-from .comm_hooks import CommHook, CommHookFn, default_hook_state, resolve_comm_hook
+from .comm_hooks import (
+    CommHook,
+    CommHookFn,
+    allreduce_hook,
+    default_hook_state,
+    hierarchical_hook,
+    resolve_comm_hook,
+)
 
 __all__ = [
     "GradientReducer",
@@ -186,6 +194,12 @@ class GradientReducer:
         overlap: launch buckets during backward as they fill (True) or all at its end (False, the
             old end-of-backward algorithm; same values, bit for bit).
         broadcast_parameters: broadcast parameters and buffers from rank 0 at construction.
+        hierarchical: sum each bucket by a hierarchical all-reduce over ``comm.split_by_host()``
+            (intra-host reduce_scatter, inter-host all_reduce, intra-host all_gather; see
+            :mod:`gradcomm.comm.hierarchical`): bit-identical across ranks, equal to the flat sum
+            up to rounding; each bucket's three steps complete before the hook returns. Needs
+            the same number of ranks on every host; hosts come from ``GRADCOMM_HOST_ID`` or the
+            hostname. Not with another ``comm_hook``.
 
     Raises:
         TypeError: bad argument types; a parameter that will produce sparse gradients
@@ -240,14 +254,17 @@ class GradientReducer:
         gradient_predivide_factor: float | None = None,
         overlap: bool = True,
         broadcast_parameters: bool = True,
+        hierarchical: bool = False,
     ) -> None:
+        resolved_hook = resolve_comm_hook(comm_hook)
         opts = ReducerOptions.checked(
             bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
             in_place_min_mb=in_place_min_mb, gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
             gradient_predivide_factor=gradient_predivide_factor, overlap=overlap,
-            broadcast_parameters=broadcast_parameters)
-        hook_fn = resolve_comm_hook(comm_hook)
+            broadcast_parameters=broadcast_parameters, hierarchical=hierarchical,
+            custom_hook=resolved_hook is not allreduce_hook)
+        hook_fn = hierarchical_hook if opts.hierarchical else resolved_hook
         if comm is None:
             from ..comm.selection import init
 
@@ -271,7 +288,9 @@ class GradientReducer:
         self._watch = self._guard.watch
         if self._watch is not None:
             weakref.finalize(self, self._watch.close)
-        self._comm_hook = CommHookSlot(hook_fn, default_hook_state(hook_fn, comm))
+        state = (HierarchicalAllReduce(comm) if opts.hierarchical
+                 else default_hook_state(hook_fn, comm))
+        self._comm_hook = CommHookSlot(hook_fn, state)
         self._backward = BackwardPass(comm, self._buckets, self._guard, self._comm_hook, opts)
         self._handles = self._register_hooks(opts.gradient_as_bucket_view)
         logger.debug("GradientReducer: %d params in %d buckets on %s", len(self._params),

@@ -18,6 +18,7 @@ def test_bus_factors_are_nccl_tests() -> None:
               Collective.GATHER, Collective.SCATTER):
         assert bus_factor(c, 4) == 0.75
     assert bus_factor(Collective.BROADCAST, 4) == bus_factor(Collective.REDUCE, 4) == 1.0
+    assert bus_factor(Collective.SENDRECV, 4) == 1.0
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

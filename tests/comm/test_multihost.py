@@ -207,3 +207,17 @@ def test_torchrun_unreachable_interface_raises_on_both_nodes(plain_hosts: Simula
                         r"failed: .*; set GLOO_SOCKET_IFNAME", out)
     assert sorted(int(r) for r, _ in failed) == [0, 1, 2, 3], out
     assert all(float(after) <= timeout + 5 for _, after in failed), out
+
+
+@pytest.mark.mpi
+def test_split_by_host_and_hierarchical_all_reduce_across_hosts(
+    plain_hosts: SimulatedHosts,
+) -> None:
+    # 2 hosts x 2 ranks by hostname: intra = the host's 2 ranks, inter = one rank per host.
+    cmd = _mpiexec(plain_hosts, [str(SCRIPTS / "hierarchical.py"), "gloo,mpi"])
+    [(code, out)] = _run_all(plain_hosts, [cmd], _env())
+    assert code == 0, out
+    for backend in ("gloo", "mpi"):
+        found = sorted(re.findall(rf"RESULT {backend} rank=(\d) intra=(\d)/2 inter=(\d)/2 ok",
+                                  out))
+        assert found == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")], out

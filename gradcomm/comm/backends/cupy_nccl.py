@@ -49,15 +49,17 @@ import torch
 from ..communicator import Communicator
 from ..cuda_packages import cupy_pip, nccl_pip
 from ..errors import BackendUnavailableError
-from ..launcher import LaunchInfo
+from ..launcher import Launcher, LaunchInfo
+from ..p2p import Transfer
 from ..rendezvous import create_store
+from ..split import SplitPlan
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
+from .cuda_event import CudaEventWork
 from .nccl import (
     NCCL_REDUCE_OPS,
     check_same_device,
     nccl_support,
-    poll_until_done,
     resolve_cuda_device,
 )
 
@@ -69,6 +71,7 @@ log = logging.getLogger("gradcomm.comm.cupy_nccl")
 _NCCL_AVG = 4  # ncclAvg, NCCL >= 2.10
 _NCCL_BFLOAT16 = 9  # ncclBfloat16, NCCL >= 2.10
 _NCCL_2_10 = 21000  # ncclGetVersion() code of 2.10.0
+_UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES; CuPy gives the id as a tuple of 128 signed chars
 
 
 def cupy_nccl_unavailable() -> Exception | None:
@@ -113,57 +116,6 @@ def as_tensor(array: Any) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
-class CudaEventWork(Work):
-    """A collective enqueued on a CUDA stream, complete when ``event`` (recorded after it) is.
-
-    Args:
-        event: an object with ``query() -> bool`` (a :class:`torch.cuda.Event`).
-        description: for error messages.
-        timeout: default timeout of :meth:`wait`, seconds.
-        check_error: called while polling; raises RuntimeError on an asynchronous NCCL error.
-        on_timeout: called once when :meth:`wait` times out, before it raises.
-        on_complete: called once when the event is found complete, before the callbacks run
-            (makes the current stream wait for the event).
-    """
-
-    def __init__(
-        self,
-        event: Any,
-        description: DescriptionLike,
-        timeout: float | None,
-        check_error: Callable[[], None],
-        on_timeout: Callable[[], None],
-        on_complete: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(description, timeout)
-        self._event = event
-        self._check_error = check_error
-        self._on_cuda_timeout = on_timeout
-        self._on_complete = on_complete
-
-    _aborted = False
-
-    def _test(self) -> bool:
-        if self._aborted:  # the event will never be reached: fail, do not stay "pending"
-            raise RuntimeError(f"{self.description} timed out and NCCL was aborted; make a new "
-                               "communicator")
-        if bool(self._event.query()):
-            if self._on_complete is not None:
-                self._on_complete()
-                self._on_complete = None
-            return True
-        self._check_error()
-        return False
-
-    def _wait(self, timeout: float | None) -> None:
-        poll_until_done(self._test, timeout, self._expire,
-                        f"{self.description}: CUDA event not reached")
-
-    def _expire(self) -> None:
-        self._aborted = True
-        self._on_cuda_timeout()
-
-
 class CupyNCCLCommunicator(Communicator):
     """Collectives on CUDA tensors through ``cupy.cuda.nccl.NcclCommunicator``.
 
@@ -196,7 +148,6 @@ class CupyNCCLCommunicator(Communicator):
         problem = cupy_nccl_unavailable()
         if problem is not None:
             raise problem
-        import cupy  # type: ignore[import-not-found, unused-ignore]
         from cupy.cuda import nccl  # type: ignore[import-not-found, unused-ignore]
 
         dev = resolve_cuda_device(launch, device, self.backend)
@@ -226,12 +177,22 @@ class CupyNCCLCommunicator(Communicator):
         # The side stream NCCL runs on (see the module docstring).
         self._stream = torch.cuda.Stream(dev)
         uid = self._exchange_unique_id(launch, timeout)
-        with cupy.cuda.Device(dev.index):
-            self._comm: Any = nccl.NcclCommunicator(launch.world_size, uid, launch.rank)
+        self._connect(launch, uid)
         log.debug("cupy-nccl rank %d/%d on %s, NCCL %d", self.rank, self.world_size, dev,
                   self.nccl_version)
 
     # ------------------------------------------------------------------ set-up
+    #: Events of a batch of transfers inside ``nccl.groupStart()``, recorded after groupEnd
+    #: (NCCL enqueues the group's kernels only then); None outside a batch.
+    _batch: list[Any] | None = None
+
+    def _connect(self, launch: LaunchInfo, uid: Any) -> None:
+        import cupy  # type: ignore[import-not-found, unused-ignore]
+
+        with cupy.cuda.Device(self.device.index):
+            self._comm: Any = self._nccl_mod.NcclCommunicator(launch.world_size, uid,
+                                                              launch.rank)
+
     def _dtype_table(self, nccl: Any) -> dict[torch.dtype, int]:
         table = {
             torch.int8: nccl.NCCL_INT8,
@@ -396,6 +357,61 @@ class CupyNCCLCommunicator(Communicator):
         tensors = tuple(t for t in (input, output) if t is not None)
         return self._launch(tensors, call, description)
 
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        uint8 = self._nccl_mod.NCCL_UINT8  # NCCL has no tags: transfers match in order
+        return self._launch((tensor,), lambda comm, s: comm.send(ptr, nbytes, uint8, dst, s),
+                            description)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        uint8 = self._nccl_mod.NCCL_UINT8
+        return self._launch((tensor,), lambda comm, s: comm.recv(ptr, nbytes, uint8, src, s),
+                            description)
+
+    def _post_batch(self, prepared: list[Transfer]) -> list[Work]:
+        # One NCCL group: its sends and receives progress together (no order can deadlock).
+        nccl = self._nccl_mod
+        self._batch = []
+        nccl.groupStart()
+        try:
+            works = [self._post_one(p, True) for p in prepared]
+        finally:
+            nccl.groupEnd()
+            events, self._batch = self._batch, None
+            for event in events:
+                event.record(self._stream)
+        return works
+
+    def _split_child(self, plan: SplitPlan) -> CupyNCCLCommunicator | None:
+        """A new NCCL communicator per color: each group's first member makes the unique id,
+        and every rank of this communicator gathers all of them (a collective here)."""
+        nccl = self._nccl_mod
+        if self.world_size == 1:  # nobody to tell
+            uid = nccl.get_unique_id() if plan.color is not None else None
+        else:
+            mine = torch.zeros(_UID_BYTES, dtype=torch.int16, device=self.device)
+            if plan.color is not None and plan.rank == 0:
+                mine.copy_(torch.tensor(nccl.get_unique_id(), dtype=torch.int16))
+            ids = torch.empty(self.world_size * _UID_BYTES, dtype=torch.int16, device=self.device)
+            self.all_gather(ids, mine)
+            first = plan.members[0] if plan.members else 0
+            uid = tuple(ids[first * _UID_BYTES:(first + 1) * _UID_BYTES].tolist())
+        if plan.color is None:
+            return None
+        launch = LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
+                            plan.local_world_size, Launcher.EXPLICIT)
+        child = object.__new__(type(self))  # this backend's state, a new NCCL communicator
+        Communicator.__init__(child, rank=plan.rank, world_size=len(plan.members),
+                              local_rank=plan.local_rank, device=self.device,
+                              timeout=self._timeout)
+        child.launch, child._store, child._nccl_mod = launch, None, nccl
+        child.nccl_version, child._dtypes, child._ops = self.nccl_version, self._dtypes, self._ops
+        child.native_reduce_ops = self.native_reduce_ops  # type: ignore[misc]
+        child._stream = torch.cuda.Stream(self.device)
+        child._connect(launch, uid)
+        return child
+
     def _barrier(self, description: DescriptionLike) -> Work:
         # An all-reduce of one element (record_stream keeps it alive until the side stream is done)
         return self._all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, description)
@@ -416,7 +432,10 @@ class CupyNCCLCommunicator(Communicator):
         for t in tensors:
             t.record_stream(side)
         event = torch.cuda.Event()
-        event.record(side)
+        if self._batch is None:
+            event.record(side)
+        else:  # inside a group: recorded once NCCL has enqueued it (see _post_batch)
+            self._batch.append(event)
         return CudaEventWork(event, description, self._timeout, self._check_async, self._abort,
                              on_complete=functools.partial(self._join, event))
 

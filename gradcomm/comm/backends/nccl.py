@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from ..errors import BackendUnavailableError
 from ..launcher import LaunchInfo
+from ..p2p import Transfer, post_in_pair_order
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
 from .torch_dist import TorchDistCommunicator, TorchWork
@@ -288,6 +289,12 @@ class NCCLCommunicator(TorchDistCommunicator):
     def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
         dev = self.device if device is None else torch.device(device)
         return nccl_support(dtype, dev, self.backend)
+
+    def _post_batch(self, prepared: list[Transfer]) -> list[Work]:
+        # NCCL's send and recv each block their stream until matched, and the two ranks of a pair
+        # share one stream: a ring posted send-first on every rank would deadlock, so the lower
+        # rank of each pair sends first. torch's own batching API needs a registered group.
+        return post_in_pair_order(self.rank, prepared, lambda p: self._post_one(p, True))
 
     def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
         tail = super()._check_tensor(tensor, opname, reduction=reduction)

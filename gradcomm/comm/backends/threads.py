@@ -11,6 +11,7 @@ rank, so results are bit-identical across ranks.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +20,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from ..communicator import Communicator
+from ..p2p import copy_into
+from ..split import SplitPlan
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work, writing_into
 
@@ -61,6 +64,26 @@ class _FutureWork(Work):
         return self._future.done()
 
 
+class _MailWork(Work):
+    """A point-to-point transfer: ``take(timeout)`` completes it (None: already complete)."""
+
+    def __init__(self, take: Callable[[float | None], bool] | None,
+                 description: DescriptionLike, timeout: float | None) -> None:
+        super().__init__(description, timeout)
+        self._take = take
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._take is not None and not self._take(timeout):
+            raise TimeoutError(f"{self.description}: nothing was sent")
+        self._take = None
+
+    def _test(self) -> bool:
+        if self._take is None or self._take(0.0):
+            self._take = None
+            return True
+        return False
+
+
 class ThreadGroup:
     """Shared state of ``world_size`` in-process ranks.
 
@@ -81,6 +104,13 @@ class ThreadGroup:
         self._slots: list[torch.Tensor | None] = [None] * world_size
         #: number of collectives each rank issued (for tests: "no collective at world_size 1").
         self.calls = [0] * world_size
+        # Point-to-point: sent tensors by (src, dst, tag, n), the n-th send with that key; a
+        # receive reserves its n when posted, so receives match sends in posting order.
+        self._mail: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._mail_ready = threading.Condition()
+        self._sent: collections.Counter[tuple[int, int, int]] = collections.Counter()
+        self._posted: collections.Counter[tuple[int, int, int]] = collections.Counter()
+        self._subgroups: dict[tuple[int, int], ThreadGroup] = {}
 
     def communicator(self, rank: int) -> ThreadCommunicator:
         """Return rank ``rank``'s communicator."""
@@ -115,6 +145,30 @@ class ThreadGroup:
                 raise RuntimeError(f"rank {rank} raised {type(err).__name__}: {err}") from err
         return results
 
+    def _put(self, key: tuple[int, int, int], tensor: torch.Tensor) -> None:
+        with self._mail_ready:
+            self._mail[(key[0], key[1], key[2], self._sent[key])] = tensor
+            self._sent[key] += 1
+            self._mail_ready.notify_all()
+
+    def _reserve(self, key: tuple[int, int, int]) -> tuple[int, int, int, int]:
+        with self._mail_ready:
+            slot = (key[0], key[1], key[2], self._posted[key])
+            self._posted[key] += 1
+            return slot
+
+    def _take(self, slot: tuple[int, int, int, int], timeout: float | None) -> torch.Tensor | None:
+        with self._mail_ready:
+            if not self._mail_ready.wait_for(lambda: slot in self._mail, timeout):
+                return None
+            return self._mail.pop(slot)
+
+    def _subgroup(self, plan: SplitPlan) -> ThreadGroup:
+        """The group of ``plan``'s members: made by the first member to ask."""
+        with self._mail_ready:
+            return self._subgroups.setdefault((plan.index, plan.color or 0),
+                                              ThreadGroup(len(plan.members), self.timeout))
+
     # One collective, run by every rank's worker thread in the same order.
     def _exchange(self, rank: int, contribution: torch.Tensor) -> list[torch.Tensor]:
         self._slots[rank] = contribution
@@ -130,11 +184,11 @@ class ThreadCommunicator(Communicator):
 
     backend = "threads"
 
-    def __init__(self, group: ThreadGroup, rank: int) -> None:
+    def __init__(self, group: ThreadGroup, rank: int, local_rank: int | None = None) -> None:
         super().__init__(
             rank=rank,
             world_size=group.world_size,
-            local_rank=rank,
+            local_rank=rank if local_rank is None else local_rank,
             device="cpu",
             timeout=group.timeout,
         )
@@ -264,6 +318,31 @@ class ThreadCommunicator(Communicator):
             self.group._exchange(self.rank, torch.zeros(0))
 
         return self._submit(run, description)
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
+        # Buffered: the data is copied when posted, so a send never waits for its receive.
+        self.group._put((self.rank, dst, tag), tensor.clone())
+        return _MailWork(None, description, self._timeout)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
+        slot = self.group._reserve((src, self.rank, tag))
+
+        def take(timeout: float | None) -> bool:
+            got = self.group._take(slot, timeout)
+            if got is None:
+                return False
+            if got.dtype != tensor.dtype or got.numel() != tensor.numel():
+                raise RuntimeError(f"{description}: rank {src} sent {got.numel()} {got.dtype}, "
+                                   f"the receive buffer holds {tensor.numel()} {tensor.dtype}")
+            copy_into(tensor, got)
+            return True
+
+        return _MailWork(take, description, self._timeout)
+
+    def _split_child(self, plan: SplitPlan) -> ThreadCommunicator | None:
+        if plan.color is None:
+            return None
+        return ThreadCommunicator(self.group._subgroup(plan), plan.rank, plan.local_rank)
 
     def _close(self) -> None:
         self._worker.shutdown(wait=False)

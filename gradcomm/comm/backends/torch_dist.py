@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..communicator import Communicator, flat_bytes
-from ..launcher import LaunchInfo
+from ..launcher import Launcher, LaunchInfo
 from ..rendezvous import rendezvous
+from ..split import SplitPlan
 from ..types import ReduceOp
 from ..work import DescriptionLike, Work
 
@@ -135,6 +136,8 @@ class TorchDistCommunicator(Communicator):
         )
         self.launch = launch
         self._group: dist.ProcessGroup | None = None
+        # The job's store: sub-communicators build their groups over it under a prefix.
+        self._store: dist.Store | None = None
         self.bind_address: str | None = None
         self.bind_interface: str | None = None
         if launch.world_size > 1:
@@ -145,7 +148,11 @@ class TorchDistCommunicator(Communicator):
             if (self.exports_interface and variable is not None and found.interface is not None
                     and not os.environ.get(variable, "").strip()):
                 os.environ[variable] = f"={found.interface}"  # "=": that exact name
+            self._store = found.store
             self._group = self._make_group(found.store, launch, timeout)
+        self._register_close_at_exit()
+
+    def _register_close_at_exit(self) -> None:
         # A gloo group still alive at interpreter teardown can abort the process ("terminate
         # called without an active exception", exit code 6; seen in 1 of 2 runs under mpiexec),
         # so a communicator the user never closed is closed by an atexit handler. Registered
@@ -233,6 +240,39 @@ class TorchDistCommunicator(Communicator):
         # An all-reduce of one element: the same on every process group type.
         token = torch.zeros(1, device=self.device)
         return self._wrap(self._pg().allreduce([token], _reduce_options(ReduceOp.SUM)), description)
+
+    # ------------------------------------------------------------------ point-to-point
+    # As bytes (see _broadcast); both sides then agree on sizes in bytes, which gloo checks.
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
+        return self._wrap(self._pg().send([flat_bytes(tensor)], dst, tag), description)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
+        return self._wrap(self._pg().recv([flat_bytes(tensor)], src, tag), description)
+
+    # ------------------------------------------------------------------ sub-communicators
+    def _split_child(self, plan: SplitPlan) -> TorchDistCommunicator | None:
+        """A communicator of ``plan``'s members: a new process group of this backend over the
+        job's store under ``plan.prefix`` (members only; torch's ``new_group`` does the same
+        with the default group's store). The bound address and interface are the parent's."""
+        if plan.color is None:
+            return None
+        launch = LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
+                            plan.local_world_size, Launcher.EXPLICIT)
+        child = object.__new__(type(self))  # the subclass's state, without a rendezvous
+        Communicator.__init__(child, rank=plan.rank, world_size=len(plan.members),
+                              local_rank=plan.local_rank, device=self.device,
+                              timeout=self._timeout)
+        child.launch = launch
+        child._group = None
+        child._store = None
+        child.bind_address, child.bind_interface = self.bind_address, self.bind_interface
+        if launch.world_size > 1:
+            if self._store is None:  # pragma: no cover - a parent of world_size 1 has 1 member
+                raise RuntimeError(f"{self.backend} communicator has no store to split")
+            child._store = dist.PrefixStore(plan.prefix, self._store)
+            child._group = child._make_group(child._store, launch, self._timeout)
+        child._register_close_at_exit()
+        return child
 
     def _close(self) -> None:
         group, self._group = self._group, None

@@ -70,6 +70,7 @@ from ...communicator import Communicator, flat_bytes
 from ...errors import BackendUnavailableError
 from ...launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
 from ...mpi_abort import abort_on_error_enabled, install_abort_hook
+from ...split import SplitPlan
 from ...types import ReduceOp, Support
 from ...work import DescriptionLike, Work
 from .dtypes import HALF, MPI_BUFFER, SUM_FAST, mpi_op, predefined_datatype
@@ -114,6 +115,8 @@ class MPICommunicator(MPIShardOps, Communicator):
 
     backend = "mpi"
     native_reduce_ops = frozenset({ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
+    _comm: MPIModule.Intracomm | None
+    _adapter: Any
 
     def __init__(
         self,
@@ -141,18 +144,7 @@ class MPICommunicator(MPIShardOps, Communicator):
             dev = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
         super().__init__(rank=launch.rank, world_size=launch.world_size,
                          local_rank=launch.local_rank, device=dev, timeout=timeout)
-        self.launch = launch
-        self._comm: MPIModule.Intracomm | None = world.Dup()
-        # Works whose requests have not completed, oldest first (see MPIWork).
-        self._inflight: list[MPIWork] = []
-        self._scratch = ScratchPool()
-        self._datatypes: dict[torch.dtype, MPI.Datatype] = {}
-        # The datatypes of SUM_FAST dtypes looked up so far (the gradient path of _all_reduce).
-        self._sum_datatypes: dict[torch.dtype, MPI.Datatype] = {}
-        self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
-        self._adapter: Any = None
-        self._cuda_aware = False
-        self._cuda_reason = ""
+        self._attach(launch, world.Dup())
         if dev.type == "cuda":
             from .. import mpi_device  # lazy: needs cupy only on this branch
 
@@ -162,6 +154,21 @@ class MPICommunicator(MPIShardOps, Communicator):
             self._adapter = mpi_device.DeviceBufferAdapter(self._cuda_aware)
         if launch.world_size > 1 and abort_on_error:
             install_abort_hook()
+
+    def _attach(self, launch: LaunchInfo, comm: MPIModule.Comm) -> None:
+        """This communicator's state over ``comm`` (a duplicate of the world, or a split)."""
+        self.launch = launch
+        self._comm = comm  # type: ignore[assignment]  # Split's result: an Intracomm
+        self._adapter = None
+        # Works whose requests have not completed, oldest first (see MPIWork).
+        self._inflight: list[MPIWork] = []
+        self._scratch = ScratchPool()
+        self._datatypes: dict[torch.dtype, MPI.Datatype] = {}
+        # The datatypes of SUM_FAST dtypes looked up so far (the gradient path of _all_reduce).
+        self._sum_datatypes: dict[torch.dtype, MPI.Datatype] = {}
+        self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
+        self._cuda_aware = False
+        self._cuda_reason = ""
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:
@@ -309,6 +316,40 @@ class MPICommunicator(MPIShardOps, Communicator):
 
     def _barrier(self, description: DescriptionLike) -> Work:
         return self._work(self._live_comm().Ibarrier(), description, ())
+
+    # ------------------------------------------------------------------ point-to-point
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
+        wire = flat_bytes(tensor)
+        buf, _ = self._prepare(wire, write=False)  # staged in (device), nothing to copy back
+        return MPIWork(self._live_comm().Isend([buf, MPI.BYTE], dst, tag), description,
+                       self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
+        wire = flat_bytes(tensor)
+        buf, finish = self._prepare(wire, read=False)
+        work = MPIWork(self._live_comm().Irecv([buf, MPI.BYTE], src, tag), description,
+                       self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight,
+                       expect_bytes=wire.numel())
+        if finish is not None:
+            work.add_callback(finish)
+        return work
+
+    # ------------------------------------------------------------------ sub-communicators
+    def _split_child(self, plan: SplitPlan) -> MPICommunicator | None:
+        """``Comm.Split`` of this communicator (every rank calls it; non-members get None)."""
+        color = MPI.UNDEFINED if plan.color is None else plan.color
+        comm = self._live_comm().Split(color, plan.rank)
+        if plan.color is None:
+            return None
+        child = object.__new__(type(self))  # this backend's state over the new comm
+        Communicator.__init__(child, rank=plan.rank, world_size=len(plan.members),
+                              local_rank=plan.local_rank, device=self.device,
+                              timeout=self._timeout)
+        child._attach(LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
+                                 plan.local_world_size, Launcher.EXPLICIT), comm)
+        child._adapter, child._cuda_aware = self._adapter, self._cuda_aware
+        child._cuda_reason = self._cuda_reason
+        return child
 
     def _close(self) -> None:
         comm, self._comm = self._comm, None

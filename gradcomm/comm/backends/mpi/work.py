@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from mpi4py import MPI
 
@@ -60,9 +61,13 @@ class MPIWork(Work):
         timeout: float | None,
         keepalive: tuple[object, ...] = (),
         inflight: list[MPIWork] | None = None,
+        *,
+        expect_bytes: int | None = None,
     ) -> None:
         super().__init__(description, timeout)
         self._request = request
+        self._expect_bytes = expect_bytes
+        self._status = MPI.Status() if expect_bytes is not None else None
         # None once the request completed: nothing needs to outlive it any more.
         self._keepalive: tuple[object, ...] | None = keepalive
         self._inflight = inflight
@@ -75,15 +80,25 @@ class MPIWork(Work):
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             inflight.remove(self)
+        status = self._status
+        if status is not None:  # a receive: MPI accepts a shorter message without an error
+            got = status.Get_count(MPI.BYTE)
+            if got != self._expect_bytes:
+                raise RuntimeError(f"{self.description}: received {got} bytes, the buffer "
+                                   f"holds {self._expect_bytes}")
 
     def _test(self) -> bool:
-        if self._request.Test():
+        if self._request.Test(self._status):
             self._release()
             return True
         return False
 
     def _wait(self, timeout: float | None) -> None:
-        test = self._request.Test
+        status, request = self._status, self._request
+        # A collective's poll calls Test itself: one call less per poll than a closure.
+        test: Callable[[], bool] = (request.Test if status is None
+                                    else lambda: request.Test(status))
+
         now = time.perf_counter
         start = now()
         deadline = None if timeout is None else start + timeout

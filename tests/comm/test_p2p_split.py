@@ -1,0 +1,87 @@
+"""send/recv/batch_isend_irecv, split/split_by_host and the hierarchical all-reduce against a
+single-process reference.
+
+The checks live in ``tests/p2p_split_checks.py``: here they run on the thread backend (fast) and
+on spawned gloo ranks (one job per world size, every case in it); ``test_mpi_p2p_split.py``
+runs them under mpiexec.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from p2p_split_checks import (
+    check_children_closed,
+    expect_error,
+    run_hierarchical_checks,
+    run_p2p_checks,
+    run_split_checks,
+)
+
+import gradcomm
+from gradcomm.comm.backends.threads import ThreadGroup
+
+from dist_utils import run_processes
+
+
+def _all(comm: gradcomm.Communicator) -> int:
+    return (run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
+            + check_children_closed(comm))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_threads_every_case(n: int) -> None:
+    counts = ThreadGroup(n, timeout=20).run(_all)
+    assert all(isinstance(c, int) and c > 10 for c in counts)
+
+
+def test_threads_size_mismatch_raises_from_wait() -> None:
+    def body(comm: gradcomm.Communicator) -> None:
+        if comm.rank == 0:
+            comm.send(torch.zeros(3), 1)
+        else:
+            work = comm.recv(torch.zeros(4), 0, async_op=True)
+            expect_error(RuntimeError, work.wait, "sent 3")
+
+    ThreadGroup(2, timeout=20).run(body)
+
+
+def test_recv_without_send_times_out() -> None:
+    def body(comm: gradcomm.Communicator) -> None:
+        if comm.rank == 1:
+            expect_error(gradcomm.CollectiveTimeoutError, lambda: comm.recv(torch.zeros(2), 0),
+                         "recv")
+
+    ThreadGroup(2, timeout=0.5).run(body)
+
+
+def _gloo_job(rank: int, world_size: int) -> int:
+    with gradcomm.init("gloo", timeout=60) as comm:
+        count = run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
+        return count + check_children_closed(comm)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_gloo_every_case(n: int) -> None:
+    counts = run_processes(_gloo_job, n, timeout=200)
+    assert len(counts) == n and all(c > 10 for c in counts)
+
+
+def test_profiler_records_send_and_recv_and_a_child_has_its_own() -> None:
+    from gradcomm.profiler import Profiler
+
+    def body(comm: gradcomm.Communicator) -> list[tuple[str, int]]:
+        prof = Profiler(comm).attach()
+        peer = 1 - comm.rank
+        works = comm.batch_isend_irecv([gradcomm.comm.P2POp("send", torch.ones(8), peer),
+                                        gradcomm.comm.P2POp("recv", torch.zeros(4, 2).t(), peer)])
+        for w in works:
+            w.wait()
+        child = comm.split(0)
+        assert child is not None and child.profiler is None
+        return sorted((r.op, r.bytes) for r in prof.records if r.op in ("send", "recv"))
+
+    assert ThreadGroup(2, timeout=20).run(body) == [[("recv", 32), ("send", 32)]] * 2
