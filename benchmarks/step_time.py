@@ -27,8 +27,9 @@ DDP and to the old algorithm on the same backend as the median over rounds of th
 ratio (paired, so load that drifts between rounds cancels); it then checks issue 3's targets.
 The many-parameter models (``scalars``: 5000 one-element parameters; ``small_layers``: a
 transformer-like stack of 1000 small parameter tensors) add each variant's per-parameter cost:
-its median forward+backward time minus ``local``'s, divided by the number of parameter tensors
-(microseconds), and that cost's ratio to DDP's (issue 23's target: at most 1.0x on gloo and mpi).
+the median over rounds of its forward+backward time minus ``local``'s in the same round, divided
+by the number of parameter tensors (microseconds), and that cost's ratio to DDP's (issue 23's
+target: at most 1.0x on gloo and mpi).
 The ``faults`` column is the median number of minor page faults per step (max over ranks): glibc
 returns freed memory to the kernel and a later step faults it back in, about 1-2 us per fault,
 which moves a step by milliseconds when it happens. Which variant pays depends on how the six
@@ -529,13 +530,14 @@ def bench_model(
 
 
 def per_param_costs(fwd_bwd: dict[str, list[float]], tensors: int) -> dict[str, dict[str, Any]]:
-    """Each wrapped variant's cost per parameter tensor: (median forward+backward seconds of the
-    variant - that of ``local``) / ``tensors``, in microseconds, and its ratio to DDP's (issue
-    23's measure). Empty without a ``local`` variant."""
+    """Each wrapped variant's cost per parameter tensor, in microseconds: the median over rounds
+    of (its forward+backward seconds - ``local``'s in the same round), divided by ``tensors``
+    (paired, as the step ratios, so load that drifts between rounds cancels); and its ratio to
+    DDP's (issue 23's measure). Empty without a ``local`` variant."""
     if "local" not in fwd_bwd:
         return {}
-    base = statistics.median(fwd_bwd["local"])
-    cost = {name: (statistics.median(t) - base) / tensors * 1e6
+    base = fwd_bwd["local"]
+    cost = {name: statistics.median(a - b for a, b in zip(t, base, strict=True)) / tensors * 1e6
             for name, t in fwd_bwd.items() if name != "local"}
     ddp = cost.get("ddp")
     return {name: {"us_per_param": c,
@@ -581,8 +583,8 @@ def table(result: dict[str, Any]) -> list[str]:
             f" {v.get('page_faults_per_step', 0):>7.0f} {plain:>8} {vs_psgd:>10}"
         )
     if result["model"] in MANY_PARAM_MODELS:
-        lines.append(f"  per parameter ({result.get('param_tensors')} tensors; forward+backward"
-                     " median minus local's, divided by the tensors):")
+        lines.append(f"  per parameter ({result.get('param_tensors')} tensors; median over rounds"
+                     " of forward+backward minus local's, divided by the tensors):")
         for name, v in result["variants"].items():
             if v.get("us_per_param") is not None:
                 x = v.get("per_param_x_ddp")

@@ -142,10 +142,12 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
                 f"{brief(bucket.label(), 40)} was sent; a parameter used inside and outside a "
                 "reentrant checkpoint does this (use checkpoint(..., use_reentrant=False))"
             )
-        bucket.stage(slot)  # accumulated again before the bucket left: copy again
+        if bucket.eager[slot]:  # accumulated again before the bucket left: copy again
+            bucket.stage(slot)
         return
     bw.ready[pid] = True
-    bucket.stage(slot)
+    if bucket.eager[slot]:  # a small gradient is staged with its bucket, at the send
+        bucket.stage(slot)
     bucket.pending -= 1
     if bw.overlap and bucket.pending == 0 and bidx == bw.next:
         bw.launch_ready()

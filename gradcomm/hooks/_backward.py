@@ -232,10 +232,12 @@ class BackwardPass:
 
     def launch(self, b: Bucket) -> None:
         """Stage what is missing (no gradient on this rank: zeros) and send bucket ``b``."""
-        ready = self.ready
-        for slot, pid in enumerate(b.param_ids):
-            if not ready[pid]:  # flushed at the end of backward
-                b.stage(slot)
+        if b.pending:  # flushed at the end of backward: large gradients not staged by a hook
+            ready, eager = self.ready, b.eager
+            for slot, pid in enumerate(b.param_ids):
+                if not ready[pid] and eager[slot]:
+                    b.stage(slot)
+        b.stage_batched()  # the small gradients, ready or not
         self.hook.send(b, b.prepare(self.overlapping))
 
     def finish(self) -> None:
