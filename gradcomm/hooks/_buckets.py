@@ -7,8 +7,9 @@ when it reaches its cap (the first one ``first_cap``), as torch DDP's reducer la
 gradient of at least the in-place threshold is a bucket of its own, reduced in ``param.grad``
 itself (as Horovod reduces tensors); those come after the shared buckets.
 
-Storage: a :class:`SharedBucket` owns one persistent flat buffer of exactly its gradients, allocated
-once, into which each gradient is copied pre-divided (or of which it is a view,
+Storage: a :class:`SharedBucket` owns one persistent flat buffer of exactly its gradients,
+allocated once, into which each gradient is copied pre-divided -- a large one by its hook, the
+small ones together as the bucket is sent -- (or of which it is a view,
 ``gradient_as_bucket_view``); an :class:`InPlaceBucket` owns no buffer. Either has one presence
 flag per parameter (1 where this rank has the gradient) in the reducer's control tensor (see
 :mod:`._control`), which is summed across ranks separately.
