@@ -79,6 +79,18 @@ def step_time_tables(doc: dict[str, Any]) -> list[str]:
                 f"{_f(v.get('page_faults_per_step'), 0)} |"
             )
             label = ""
+    per_param = [(res, name, v) for res in doc["results"] for name, v in res["variants"].items()
+                 if v.get("us_per_param") is not None]
+    if per_param:
+        lines += ["", "Per-parameter cost (models of many small parameter tensors): the median "
+                  "over rounds of a variant's forward+backward time minus `local`'s in the same "
+                  "round, divided by the number of parameter tensors.", "",
+                  "| model | variant | tensors | fwd+bwd median ms | us/param | x DDP |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for res, name, v in per_param:
+            lines.append(f"| {res['model']} | {name} | {res.get('param_tensors', '')} | "
+                         f"{v['fwd_bwd_median_ms']:.1f} | {v['us_per_param']:.2f} | "
+                         f"{_f(v.get('per_param_x_ddp'), 3)} |")
     layouts = [(res["model"], name, v["buckets"]) for res in doc["results"]
                for name, v in res["variants"].items() if v.get("buckets")]
     if layouts:

@@ -25,6 +25,11 @@ period of a shared machine hits every variant alike. A step's time is the max ov
 table gives each variant's median and inter-quartile range (IQR) over its steps, and its ratio to
 DDP and to the old algorithm on the same backend as the median over rounds of the per-round
 ratio (paired, so load that drifts between rounds cancels); it then checks issue 3's targets.
+The many-parameter models (``scalars``: 5000 one-element parameters; ``small_layers``: a
+transformer-like stack of 1000 small parameter tensors) add each variant's per-parameter cost:
+the median over rounds of its forward+backward time minus ``local``'s in the same round, divided
+by the number of parameter tensors (microseconds), and that cost's ratio to DDP's (issue 23's
+target: at most 1.0x on gloo and mpi).
 The ``faults`` column is the median number of minor page faults per step (max over ranks): glibc
 returns freed memory to the kernel and a later step faults it back in, about 1-2 us per fault,
 which moves a step by milliseconds when it happens. Which variant pays depends on how the six
@@ -74,7 +79,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VARIANTS = ("local", "ddp", "old+gloo", "old+mpi", "gradcomm+gloo", "gradcomm+mpi")
 POWERSGD_VARIANTS = ("ddp+powersgd", "gradcomm+gloo+powersgd", "gradcomm+mpi+powersgd")
 KNOWN_VARIANTS = VARIANTS + POWERSGD_VARIANTS
-MODELS = ("mlp", "conv", "transformer")
+MODELS = ("mlp", "conv", "transformer", "scalars", "small_layers")
+# Models with many small parameters, whose table adds each variant's per-parameter cost.
+MANY_PARAM_MODELS = ("scalars", "small_layers")
 
 
 # ----------------------------------------------------------------------------- models and data
@@ -93,6 +100,45 @@ class TinyTransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+class Scalars(nn.Module):
+    """5000 one-element parameters (many small biases and norms), each scaling one input column.
+
+    Input ``(batch, 5000)`` float32; output ``(batch, 10)`` logits: column ``j`` scaled by
+    parameter ``j``, summed in 10 groups of 500 columns.
+    """
+
+    def __init__(self, count: int = 5000, classes: int = 10) -> None:
+        super().__init__()
+        self.scales = nn.ParameterList(nn.Parameter(torch.ones(1) + 0.01 * torch.randn(1))
+                                       for _ in range(count))
+        self.classes = classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = x * torch.cat(list(self.scales))
+        return scaled.view(x.shape[0], self.classes, -1).sum(dim=-1)
+
+
+class SmallLayers(nn.Module):
+    """A transformer-like stack of small layers with 1000 parameter tensors: embedding (1), 83
+    pre-norm encoder layers of d_model 16, 2 heads (12 each), final LayerNorm (2), bias-free head
+    (1). Input ``(batch, seq)`` int64 tokens below ``vocab``; output ``(batch, 10)`` logits."""
+
+    def __init__(self, vocab: int = 100, d_model: int = 16, layers: int = 83,
+                 classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead=2, dim_feedforward=2 * d_model, dropout=0.0, batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, classes, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.encoder(self.embed(tokens))).mean(dim=1))
 
 
 def build_model(name: str) -> nn.Module:
@@ -115,6 +161,10 @@ def build_model(name: str) -> nn.Module:
         )
     if name == "transformer":
         return TinyTransformer()
+    if name == "scalars":
+        return Scalars()
+    if name == "small_layers":
+        return SmallLayers()
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
@@ -127,6 +177,10 @@ def make_batches(name: str, rank: int, count: int = 4) -> list[tuple[torch.Tenso
             x = torch.randn(64, 1024, generator=gen)
         elif name == "conv":
             x = torch.randn(16, 3, 32, 32, generator=gen)
+        elif name == "scalars":
+            x = torch.randn(16, 5000, generator=gen)
+        elif name == "small_layers":
+            x = torch.randint(0, 100, (8, 16), generator=gen)
         else:
             x = torch.randint(0, 1000, (8, 32), generator=gen)
         out.append((x, torch.randint(0, 10, (x.shape[0],), generator=gen)))
@@ -148,11 +202,15 @@ class Variant:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One training step; returns the seconds its forward and backward took."""
         self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         loss = F.cross_entropy(self.module(x), y)
         loss.backward()
+        t1 = time.perf_counter()
         self.optimizer.step()
+        return t1 - t0
 
     def layout(self) -> dict[str, Any] | None:
         """How gradients are bucketed (gradcomm variants), for the report."""
@@ -391,17 +449,19 @@ def bench_model(
     variants = {name: build_variant(name, base, args.lr, options, psgd) for name in variant_names}
     step_index = {name: 0 for name in variant_names}
 
-    def run(name: str, steps: int, times: list[float] | None,
-            faults: list[int] | None = None) -> None:
+    def run(name: str, steps: int, times: list[float] | None, faults: list[int] | None = None,
+            fwd_bwd: list[float] | None = None) -> None:
         v = variants[name]
         for _ in range(steps):
             x, y = batches[step_index[name] % len(batches)]
             step_index[name] += 1
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
-            v.step(x, y)
+            fb = v.step(x, y)
             if times is not None:
                 times.append(time.perf_counter() - t0)
+            if fwd_bwd is not None:
+                fwd_bwd.append(fb)
             if faults is not None:
                 faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
@@ -410,12 +470,14 @@ def bench_model(
         run(name, args.warmup, None)
     local: dict[str, list[float]] = {name: [] for name in variant_names}
     faults: dict[str, list[int]] = {name: [] for name in variant_names}
+    fwd_bwd: dict[str, list[float]] = {name: [] for name in variant_names}
     for order in rotations(list(variant_names), args.steps):
         for name in order:
             mpi_comm.Barrier()
-            run(name, 1, local[name], faults[name])
+            run(name, 1, local[name], faults[name], fwd_bwd[name])
     gathered = mpi_comm.gather(local, root=0)
     gathered_faults = mpi_comm.gather(faults, root=0)
+    gathered_fb = mpi_comm.gather(fwd_bwd, root=0)
     layouts = {name: v.layout() for name, v in variants.items()}
 
     # Every variant did the same steps on the same data: the distributed ones must agree.
@@ -433,9 +495,14 @@ def bench_model(
         v.close()
     if rank != 0:
         return {}
-    out: dict[str, Any] = {"model": model_name, "params": nparams, "variants": {}}
+    tensors = sum(1 for _ in base.parameters())
+    out: dict[str, Any] = {"model": model_name, "params": nparams, "param_tensors": tensors,
+                           "variants": {}}
     job = {name: [max(g[name][i] for g in gathered) for i in range(len(gathered[0][name]))]
            for name in variant_names}
+    job_fb = {name: [max(g[name][i] for g in gathered_fb) for i in range(len(gathered[0][name]))]
+              for name in variant_names}
+    per_param = per_param_costs(job_fb, tensors)
     for name in variant_names:
         per_step = job[name]
         q1, med, q3 = quartiles(per_step)
@@ -456,8 +523,26 @@ def bench_model(
             "max_abs_param_diff_vs_ddp": vs_ddp[name],
             "x_ddp": paired["ddp"], "x_old": paired["old"],
             "x_plain": paired.get("plain"), "x_ddp_powersgd": paired.get("ddp_psgd"),
+            "fwd_bwd_median_ms": statistics.median(job_fb[name]) * 1e3,
+            **per_param.get(name, {}),
         }
     return out
+
+
+def per_param_costs(fwd_bwd: dict[str, list[float]], tensors: int) -> dict[str, dict[str, Any]]:
+    """Each wrapped variant's cost per parameter tensor, in microseconds: the median over rounds
+    of (its forward+backward seconds - ``local``'s in the same round), divided by ``tensors``
+    (paired, as the step ratios, so load that drifts between rounds cancels); and its ratio to
+    DDP's (issue 23's measure). Empty without a ``local`` variant."""
+    if "local" not in fwd_bwd:
+        return {}
+    base = fwd_bwd["local"]
+    cost = {name: statistics.median(a - b for a, b in zip(t, base, strict=True)) / tensors * 1e6
+            for name, t in fwd_bwd.items() if name != "local"}
+    ddp = cost.get("ddp")
+    return {name: {"us_per_param": c,
+                   "per_param_x_ddp": None if ddp is None or ddp <= 0 else c / ddp}
+            for name, c in cost.items()}
 
 
 # ----------------------------------------------------------------------------- report
@@ -497,6 +582,15 @@ def table(result: dict[str, Any]) -> list[str]:
             f"{v['param_spread_across_ranks']:>12.1e} {'' if diff is None else f'{diff:.1e}':>9}"
             f" {v.get('page_faults_per_step', 0):>7.0f} {plain:>8} {vs_psgd:>10}"
         )
+    if result["model"] in MANY_PARAM_MODELS:
+        lines.append(f"  per parameter ({result.get('param_tensors')} tensors; median over rounds"
+                     " of forward+backward minus local's, divided by the tensors):")
+        for name, v in result["variants"].items():
+            if v.get("us_per_param") is not None:
+                x = v.get("per_param_x_ddp")
+                lines.append(f"    {name:<22} fwd+bwd {v['fwd_bwd_median_ms']:>8.2f} ms "
+                             f"{v['us_per_param']:>7.2f} us/param "
+                             f"{'' if x is None else f'{x:.3f}x ddp'}")
     for name, v in result["variants"].items():
         lay = v.get("buckets")
         if lay:
@@ -509,9 +603,17 @@ def table(result: dict[str, Any]) -> list[str]:
 
 
 def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 3's step-time targets, each with the measured ratio and whether it holds."""
+    """Issue 3's step-time targets and issue 23's per-parameter ones (the many-parameter
+    models), each with the measured ratio and whether it holds."""
     checks: list[dict[str, Any]] = []
     for res in results:
+        if res["model"] in MANY_PARAM_MODELS:  # issue 23: the per-parameter cost
+            for name in ("gradcomm+gloo", "gradcomm+mpi"):
+                r = res["variants"].get(name, {}).get("per_param_x_ddp")
+                if r is not None:
+                    checks.append({"target": f"{name} per-param cost <= 1.0x ddp "
+                                             f"({res['model']})", "ratio": r, "holds": r <= 1.0})
+            continue
         r = ratio(res, "gradcomm+gloo", "ddp")
         if r is not None:
             checks.append({"target": f"gradcomm+gloo <= 1.0x ddp ({res['model']})",
@@ -540,7 +642,7 @@ def _mib_or_auto(text: str) -> float | None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS),
-                   help="comma-separated: mlp,conv,transformer")
+                   help=f"comma-separated subset of {','.join(MODELS)} (default: all)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {','.join(KNOWN_VARIANTS)} (default: all "
                         "but the powersgd ones)")

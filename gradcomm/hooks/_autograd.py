@@ -1,11 +1,11 @@
 """The autograd glue: the hooks through which torch drives a reducer's backward pass.
 
-A post-accumulate-grad hook per parameter (:func:`on_grad_ready`) stages the gradient and launches
-the buckets that became ready; the first one of a backward pass queues one end-of-backward callback
-(:class:`BackwardEnd`) on the autograd engine; a forward pre-hook on the module
-(:class:`ForwardPreHook`) runs the model checks before each forward. Everything here only forwards
-to the :class:`~gradcomm.hooks._backward.BackwardPass` (or the reducer), so that torch's hooks hold
-nothing else.
+A post-accumulate-grad hook per parameter (:func:`on_grad_ready`) counts the gradient (and stages
+a large one) and launches the buckets that became ready; the first one of a backward pass queues
+one end-of-backward callback (:class:`BackwardEnd`) on the autograd engine; a forward pre-hook on
+the module (:class:`ForwardPreHook`) runs the model checks before each forward. Everything here
+only forwards to the :class:`~gradcomm.hooks._backward.BackwardPass` (or the reducer), so that
+torch's hooks hold nothing else.
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ def before_accumulate(ref: PassRef, grad: torch.Tensor) -> None:
 
 
 def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook of parameter ``pid``: stage its gradient, launch ready buckets.
+    """Post-accumulate-grad hook of parameter ``pid``: mark it ready (staging a large gradient;
+    a small one is staged with its bucket, see ``SharedBucket.stage_batched``), launch ready
+    buckets.
 
     ``ref()`` gives the backward pass: a weak reference when the reducer wraps a module (whose
     forward hook keeps the reducer, and so its pass, alive), because torch does not show a
@@ -142,10 +144,12 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
                 f"{brief(bucket.label(), 40)} was sent; a parameter used inside and outside a "
                 "reentrant checkpoint does this (use checkpoint(..., use_reentrant=False))"
             )
-        bucket.stage(slot)  # accumulated again before the bucket left: copy again
+        if bucket.eager[slot]:  # accumulated again before the bucket left: copy again
+            bucket.stage(slot)
         return
     bw.ready[pid] = True
-    bucket.stage(slot)
+    if bucket.eager[slot]:  # a small gradient is staged with its bucket, at the send
+        bucket.stage(slot)
     bucket.pending -= 1
     if bw.overlap and bucket.pending == 0 and bidx == bw.next:
         bw.launch_ready()

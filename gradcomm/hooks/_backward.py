@@ -232,11 +232,20 @@ class BackwardPass:
 
     def launch(self, b: Bucket) -> None:
         """Stage what is missing (no gradient on this rank: zeros) and send bucket ``b``."""
-        ready = self.ready
-        for slot, pid in enumerate(b.param_ids):
-            if not ready[pid]:  # flushed at the end of backward
-                b.stage(slot)
+        if b.pending:  # flushed at the end of backward: large gradients not staged by a hook
+            ready, eager = self.ready, b.eager
+            for slot, pid in enumerate(b.param_ids):
+                if not ready[pid] and eager[slot]:
+                    b.stage(slot)
+        b.stage_batched()  # the small gradients, ready or not
         self.hook.send(b, b.prepare(self.overlapping))
+
+    def _stage_ready(self, b: Bucket) -> None:
+        """Stage, one by one, the gradients of ``b`` that arrived but wait for the send."""
+        ready, eager = self.ready, b.eager
+        for slot, pid in enumerate(b.param_ids):
+            if ready[pid] and not eager[slot]:
+                b.stage(slot)
 
     def finish(self) -> None:
         """Launch the rest, wait for every bucket in order, and write the averages back.
@@ -306,6 +315,8 @@ class BackwardPass:
             with torch.no_grad():
                 while self.next < len(self.buckets):
                     b = self.buckets[self.next]
+                    if self.view:  # leave each .grad as every hook staging it would have
+                        self._stage_ready(b)
                     self.hook.send(b, b.failed())
                     self.next += 1
                 self.control.mark_failed()  # unless already sent (then it is too late)

@@ -7,8 +7,9 @@ when it reaches its cap (the first one ``first_cap``), as torch DDP's reducer la
 gradient of at least the in-place threshold is a bucket of its own, reduced in ``param.grad``
 itself (as Horovod reduces tensors); those come after the shared buckets.
 
-Storage: a :class:`SharedBucket` owns one persistent flat buffer of exactly its gradients, allocated
-once, into which each gradient is copied pre-divided (or of which it is a view,
+Storage: a :class:`SharedBucket` owns one persistent flat buffer of exactly its gradients,
+allocated once, into which each gradient is copied pre-divided -- a large one by its hook, the
+small ones together as the bucket is sent -- (or of which it is a view,
 ``gradient_as_bucket_view``); an :class:`InPlaceBucket` owns no buffer. Either has one presence
 flag per parameter (1 where this rank has the gradient) in the reducer's control tensor (see
 :mod:`._control`), which is summed across ranks separately.
@@ -16,7 +17,9 @@ flag per parameter (1 where this rank has the gradient) in the reducer's control
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 from torch import nn
@@ -34,6 +37,16 @@ Entry = tuple[int, str, nn.Parameter]
 # pre-divided, with param.grad None until the send; the gradient accumulated in place in the view
 # (param.grad is the view), divided at launch.
 _EMPTY, _DIVIDED, _IN_VIEW = 0, 1, 2
+
+#: Gradients of fewer elements than this are staged together when their bucket is sent (see
+#: :meth:`SharedBucket.stage_batched`); larger ones one by one, as each arrives.
+BATCH_MAX_NUMEL = 16384
+
+_grad_of = operator.attrgetter("grad")
+# torch.foreach (public from a later torch) copies a list of tensors in one call; this torch has
+# only the same operation under its older name.
+_foreach = getattr(torch, "foreach", None)
+_foreach_copy_ = _foreach.copy_ if _foreach is not None else torch._foreach_copy_
 
 
 @dataclass(frozen=True)
@@ -168,6 +181,7 @@ class _BucketBase:
         self.pending = len(self.params)
         self.work: Work | None = None
         self.grad_bucket: GradBucket | None = None
+        self.eager = [False] * len(self.params)  # slots a gradient hook stages (see stage)
 
     def info(self) -> BucketInfo:
         return BucketInfo(self.index, self.device, self.dtype, self.numel,
@@ -200,10 +214,68 @@ class SharedBucket(_BucketBase):
         self.present = [False] * len(self.params)  # this rank has a gradient (this backward)
         self.slot_state = [_EMPTY] * len(self.params)  # gradient_as_bucket_view only
         self.grad_bucket = GradBucket(index, self.flat, self.numel, self.params, self.names, last)
+        # Small gradients are staged at the send, all in one call (see stage_batched); each
+        # large one by its own hook (eager[slot]), which copies and divides it in one pass.
+        # (Complex ones one by one too: autograd may make a lazy conjugate .grad, which foreach
+        # copies refuse as a destination.)
+        self.eager = [p.numel() >= BATCH_MAX_NUMEL or self.dtype.is_complex for p in self.params]
+        self._eager_slots = [s for s, e in enumerate(self.eager) if e]
+        self._batched_slots = [s for s, e in enumerate(self.eager) if not e]
+        self._batched_params = [self.params[s] for s in self._batched_slots]
+        self._batched_views = [self.views[s] for s in self._batched_slots]
+        self._batched_regions = self._regions(self._batched_slots)
+        self._batched_present = False  # every batched slot has a gradient (this backward)
+
+    def _regions(self, slots: list[int]) -> list[torch.Tensor]:
+        """The flat buffer's runs of consecutive ``slots``, one 1-D view each."""
+        offsets = [0]
+        for p in self.params:
+            offsets.append(offsets[-1] + p.numel())
+        runs: list[list[int]] = []
+        for s in slots:
+            if runs and runs[-1][1] == offsets[s]:
+                runs[-1][1] = offsets[s + 1]
+            else:
+                runs.append([offsets[s], offsets[s + 1]])
+        return [self.data[lo:hi] for lo, hi in runs if hi > lo]
 
     def reset(self) -> None:
         super().reset()
         self.slot_state = [_EMPTY] * len(self.params)
+        self._batched_present = False
+
+    def stage_batched(self) -> None:
+        """Stage every small gradient (``eager[slot]`` False) at once, as its bucket is sent.
+
+        When each has a fresh gradient (none is None or its view): one foreach copy into the
+        views, then one in-place division per run of them in the buffer -- the same values, bit
+        for bit, as dividing each into its view (one IEEE division per element either way) --
+        and, with ``gradient_as_bucket_view``, each ``param.grad`` set to its view. When each
+        was accumulated in place in its view: only the division. Otherwise each slot goes
+        through :meth:`stage`. Reads ``param.grad`` as the last hook left it, so a gradient
+        accumulated again before the send is staged whole.
+        """
+        if not self._batched_slots:
+            return
+        if torch.is_grad_enabled():  # backward(create_graph=True); otherwise autograd turned it off
+            with torch.no_grad():
+                return self.stage_batched()
+        grads = list(map(_grad_of, self._batched_params))
+        views = self._batched_views
+        fresh = all(map(operator.is_not, grads, repeat(None)))
+        if fresh and not any(map(operator.is_, grads, views)):
+            _foreach_copy_(views, grads)
+            if self.view:
+                for p, v in zip(self._batched_params, views, strict=True):
+                    p.grad = v
+        elif not (fresh and self.view and all(map(operator.is_, grads, views))):
+            for slot in self._batched_slots:
+                self.stage(slot)
+            return
+        if self.pre != 1.0:
+            for region in self._batched_regions:
+                region.div_(self.pre)
+        self._batched_present = True
 
     def stage(self, slot: int) -> None:
         """Put one parameter's pre-divided gradient into its slot.
@@ -247,6 +319,8 @@ class SharedBucket(_BucketBase):
     def prepare(self, overlapping: frozenset[int]) -> GradBucket:
         """Finish the staged buffer for the send (view mode: divide what was accumulated in the
         views, point each ``param.grad`` at its view) and set the presence flags."""
+        # Slots stage_batched finished (all present, divided, repointed) are skipped.
+        slots = self._eager_slots if self._batched_present else range(len(self.params))
         with torch.no_grad():
             if self.view:
                 pre, state = self.pre, self.slot_state
@@ -254,16 +328,21 @@ class SharedBucket(_BucketBase):
                     if all(s == _IN_VIEW for s in state):
                         self.data.div_(pre)  # one kernel for the whole bucket
                     else:
-                        for slot, v in enumerate(self.views):
+                        for slot in slots:
                             if state[slot] == _IN_VIEW:
-                                v.div_(pre)
-                for slot, p in enumerate(self.params):
+                                self.views[slot].div_(pre)
+                for slot in slots:
                     if state[slot] == _DIVIDED:
-                        p.grad = self.views[slot]
-            if all(self.present):
+                        self.params[slot].grad = self.views[slot]
+            present = self.present
+            if all(present[s] for s in slots):
                 self.flags.fill_(1)
             else:
-                self.flags.copy_(torch.tensor(self.present, dtype=self.flags.dtype))
+                if self._batched_present:
+                    present = list(present)
+                    for s in self._batched_slots:
+                        present[s] = True
+                self.flags.copy_(torch.tensor(present, dtype=self.flags.dtype))
         assert self.grad_bucket is not None  # made in __init__
         return self.grad_bucket
 
@@ -276,10 +355,26 @@ class SharedBucket(_BucketBase):
     def write_back(self, flags: list[float], overlapping: frozenset[int]) -> None:
         """Average and write back the summed buffer (``flags``: the summed presence flags)."""
         post = self.post
+        slots: range | list[int] = range(len(self.params))
         with torch.no_grad():
-            if self.view and post != 1.0:
-                self.data.div_(post)
-            for slot, p in enumerate(self.params):
+            if self.view:
+                if post != 1.0:
+                    self.data.div_(post)
+                if all(map(operator.is_, map(_grad_of, self.params), self.views)):
+                    return  # every gradient is its view already (so present: flags >= 1)
+            elif self._batched_slots and not overlapping:
+                # Small gradients of this rank's own: one division per run of them in the
+                # buffer, then one foreach copy out (bit for bit a division into each).
+                grads = list(map(_grad_of, self._batched_params))
+                if (all(map(operator.is_not, grads, repeat(None)))
+                        and all(map(flags.__getitem__, self._batched_slots))):
+                    if post != 1.0:
+                        for region in self._batched_regions:
+                            region.div_(post)
+                    _foreach_copy_(grads, self._batched_views)
+                    slots = self._eager_slots
+            for slot in slots:
+                p = self.params[slot]
                 if flags[slot] == 0:
                     continue  # no gradient on any rank: grad stays None everywhere
                 v, g = self.views[slot], p.grad
@@ -315,6 +410,9 @@ class InPlaceBucket(_BucketBase):
 
     def stage(self, slot: int) -> None:
         """Nothing to copy: the gradient stays where it is; :meth:`prepare` reads and divides it."""
+
+    def stage_batched(self) -> None:
+        """Nothing to copy (see :meth:`stage`)."""
 
     def _wrap(self, buf: torch.Tensor) -> GradBucket:
         self.buffer = buf

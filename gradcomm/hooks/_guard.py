@@ -9,6 +9,7 @@ the reducer does not know would stay local and the ranks would drift apart.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
@@ -34,6 +35,26 @@ def _first_changed(entries: list[_Entry]) -> str | None:
         if table.get(local) is not obj:
             return what
     return None
+
+
+class _Unchanged:
+    """Whether every table of some entries still holds its object: one identity comparison per
+    entry, in C (``map``), as each forward runs it."""
+
+    __slots__ = ("_keys", "_objs", "_tables")
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        self._tables = [table for _, table, _, _ in entries]
+        self._keys = [local for _, _, local, _ in entries]
+        self._objs = [obj for _, _, _, obj in entries]
+
+    def __call__(self) -> bool:
+        return all(map(operator.is_, map(dict.get, self._tables, self._keys), self._objs))
+
+
+# What the forward check reads of each reduced parameter, compared with what it was.
+_param_state = operator.attrgetter("requires_grad", "dtype", "shape")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def named_params(
@@ -129,8 +150,11 @@ class ModelGuard:
         self._owners: list[_Entry] = []
         self._links: list[_Entry] = []
         self._frozen: list[tuple[str, torch.Tensor]] = []  # may be unfrozen later
+        self._frozen_tensors: list[torch.Tensor] = []
         self._param_ids = frozenset(id(p) for p in params)
         self._layouts = [(p.dtype, p.shape) for p in params]  # what the buckets hold
+        self._states = [(True, dtype, shape) for dtype, shape in self._layouts]
+        self._owners_unchanged = self._links_unchanged = _Unchanged([])
         self.watch: StructureWatch | None = None
         if module is not None:
             self._watch_entries(named)
@@ -175,10 +199,31 @@ class ModelGuard:
         module's table, the submodules on the way to them, and the frozen parameters (``named``:
         the module's)."""
         self._owners, self._links = self._ownership()
+        self._owners_unchanged = _Unchanged(self._owners)
+        self._links_unchanged = _Unchanged(self._links)
         self._frozen = [(n, t) for n, t in named if not t.requires_grad]
+        self._frozen_tensors = [t for _, t in self._frozen]
 
     def check(self) -> None:
-        """Raise RuntimeError naming the first parameter or submodule changed since wrapping."""
+        """Raise RuntimeError naming the first parameter or submodule changed since wrapping.
+
+        Runs before every forward: what stayed as it was is compared in C (``map``) without a
+        Python step per parameter; only a difference is looked for one by one, to name it.
+        """
+        if (list(map(_param_state, self.params)) != self._states
+                or not self._owners_unchanged()):
+            self._check_params()
+        if self.module is None or self.watch is None:
+            return
+        # A parameter unfrozen, or a submodule or parameter added or replaced, after wrapping: its
+        # gradient would stay local. Unfreezing keeps the registered object, so it is checked
+        # here; anything registered shows in the watch, and only then is the module walked.
+        if (any(map(_requires_grad, self._frozen_tensors)) or self.watch.changed
+                or not self._links_unchanged()):
+            self._check_structure()
+
+    def _check_params(self) -> None:
+        """:meth:`check`'s parameter checks, one by one, raising on the first difference."""
         for name, p, (dtype, shape) in zip(self.names, self.params, self._layouts, strict=True):
             if not p.requires_grad:  # frozen after wrapping, maybe on some ranks only
                 raise RuntimeError(
@@ -195,11 +240,10 @@ class ModelGuard:
             raise RuntimeError(
                 f"{brief(what, 70)} was replaced after the GradientReducer was built; {_REBUILD}"
             )
-        if self.module is None or self.watch is None:
-            return
-        # A parameter unfrozen, or a submodule or parameter added or replaced, after wrapping: its
-        # gradient would stay local. Unfreezing keeps the registered object, so it is checked
-        # here; anything registered shows in the watch, and only then is the module walked.
+
+    def _check_structure(self) -> None:
+        """:meth:`check`'s module checks, one by one, raising on the first difference."""
+        assert self.module is not None and self.watch is not None  # checked by the caller
         for name, frozen in self._frozen:
             if frozen.requires_grad:
                 _raise_unreduced(name)

@@ -13,7 +13,9 @@ How one backward pass is reduced (the algorithm of torch DDP's reducer, in Pytho
    saves copying it. In-place buckets come after the shared ones and are sent at the end of
    backward, when no autograd node can still read the gradient's memory.
 2. A post-accumulate-grad hook on each parameter copies its gradient, pre-divided, into its slot
-   (one pass; an in-place gradient is divided where it lies) and marks it ready. When every
+   (one pass; an in-place gradient is divided where it lies) and marks it ready; gradients under
+   16384 elements are only counted, and copied in together (one foreach copy, one division) when
+   their bucket is sent, so that many small parameters cost little Python each. When every
    parameter of the lowest-index bucket not yet launched is ready, that bucket's comm hook (an
    async all-reduce by default) is started; buckets are launched strictly in index order, so
    every rank issues the same collectives in the same order. The last shared bucket (when there
@@ -176,9 +178,10 @@ class GradientReducer:
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket (strides as the
             parameter's), so no gradient is copied out and no memory beyond the buckets is used.
             With ``optimizer.zero_grad(set_to_none=False)`` backward accumulates into the views in
-            place; with ``set_to_none=True`` (torch's default) each fresh gradient is copied in and
-            pre-divided in one pass and freed, ``param.grad`` reads None until its bucket is sent
-            during backward, then is the view.
+            place; with ``set_to_none=True`` (torch's default) each fresh gradient is copied in,
+            pre-divided, and freed (``param.grad`` reads None until its bucket is sent during
+            backward, then is the view; a gradient under 16384 elements stays until the send,
+            when its bucket's small gradients are copied in together).
         broadcast_buffers: also broadcast the module's buffers from rank 0 before every forward
             that runs with gradients enabled outside :meth:`no_sync` (as DDP: an evaluation
             under ``torch.no_grad()``, perhaps on rank 0 only, issues no collective).
@@ -213,9 +216,10 @@ class GradientReducer:
     registered (``register_post_accumulate_grad_hook``) before the reducer is constructed: they
     then run before the reducer's hook, and what they leave in ``param.grad`` is what is reduced,
     on every path. A hook registered after it runs once the gradient was taken: in a shared
-    bucket a change is lost (the copy was already made; with ``gradient_as_bucket_view`` it may
-    even read ``param.grad`` as None), in an in-place bucket it is summed, so the result would
-    depend on ``in_place_min_mb`` and hence on the backend. Such hooks should only read. (In DDP
+    bucket a change to a large gradient is lost (the copy was already made; with
+    ``gradient_as_bucket_view`` it may even read ``param.grad`` as None), one to a small gradient
+    or in an in-place bucket is summed, so the result would depend on sizes and
+    ``in_place_min_mb``, hence on the backend. Such hooks should only read. (In DDP
     they run before its reducer whatever the order, as it hooks the gradient accumulator node.)
 
     The module is not wrapped: a copy of it (``copy.deepcopy``, ``torch.save`` of the whole module)
