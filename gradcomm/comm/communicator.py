@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from .consistency import ConsistencyCheck, DebugLevel, DebugSetting
 from .emulation import average, complex_support, reduce_complex
 from .group import GroupMember
 from .observer import CollectiveObserver
@@ -43,7 +44,7 @@ from .work import CompletedWork, Description, DescriptionLike, Work, writing_int
 __all__ = ["Communicator", "CollectiveObserver"]
 
 
-class Communicator(GroupMember, abc.ABC):
+class Communicator(GroupMember, DebugSetting, abc.ABC):
     """A group of ``world_size`` processes that run collectives on tensors of one device type.
 
     All collectives work in place on the given tensor and preserve its dtype and shape. Each
@@ -73,9 +74,9 @@ class Communicator(GroupMember, abc.ABC):
         self._checks = TensorChecks(self.backend, self._device, f"rank {rank}/{world_size}",
                                     self._supports)
         self._kinds = self._checks.kinds  # the cache itself: one lookup less per call
-        # all_reduce may use cached checks unless a backend adds checks of its own to _check_tensor
-        self._cached_checks = (world_size > 1
-                               and type(self)._check_tensor is Communicator._check_tensor)
+        self._consistency = ConsistencyCheck(self._all_gather, self._complete, world_size, device)
+        self._plain_checks = type(self)._check_tensor is Communicator._check_tensor
+        self.debug = DebugLevel.OFF  # sets _cached_checks
         #: Optional :class:`CollectiveObserver` told of every collective (None: off).
         self.profiler: CollectiveObserver | None = None
 
@@ -216,7 +217,7 @@ class Communicator(GroupMember, abc.ABC):
             check_writable(tensor, "broadcast")
             return CompletedWork(target=tensor)
         buf = plain(tensor, "broadcast")
-        desc = Description("broadcast", next(self._seq), buf.numel(), tail, f"src={src}")
+        desc = Description("broadcast", next(self._seq), buf.numel(), tail, f"src={src}", root=src)
         return self._issue("broadcast", self._broadcast, (buf, src), desc, tensor, buf, None,
                            async_op)
 
@@ -264,7 +265,8 @@ class Communicator(GroupMember, abc.ABC):
         self._check_open()
         if self._world_size == 1:
             return
-        desc = f"barrier #{next(self._seq)} ({self.backend}, rank {self._rank}/{self._world_size})"
+        desc = Description("barrier", next(self._seq), 0,
+                           f" ({self.backend}, rank {self._rank}/{self._world_size})")
         self._issue("barrier", self._barrier, (), desc, None, None, None, False)
 
     def close(self) -> None:
@@ -282,10 +284,8 @@ class Communicator(GroupMember, abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return (
-            f"<{type(self).__name__} backend={self.backend} rank={self._rank}/{self._world_size} "
-            f"local_rank={self._local_rank} device={self._device}>"
-        )
+        return (f"<{type(self).__name__} backend={self.backend} rank={self._rank}/"
+                f"{self._world_size} local_rank={self._local_rank} device={self._device}>")
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
@@ -324,7 +324,9 @@ class Communicator(GroupMember, abc.ABC):
     def _issue(self, opname: str, hook: Callable[..., Work], args: tuple[object, ...],
                description: DescriptionLike, target: torch.Tensor | None,
                buf: torch.Tensor | None, label: str | None, async_op: bool) -> Work:
-        """Start ``hook(*args, description)`` on ``buf``, profiled; copy back into ``target``."""
+        """Check it across ranks (:attr:`debug`), start ``hook(*args, description)``; copy back."""
+        if self._consistency.wants(opname):
+            self._consistency.check(opname, description, None if buf is None else buf.dtype)
         profiler = self.profiler
         done = (None if profiler is None
                 else profiler.collective_started(opname, buf, label, async_op))
