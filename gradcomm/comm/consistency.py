@@ -186,8 +186,8 @@ def mismatch_message(rows: Sequence[Sequence[int]]) -> str | None:
         if any(row[span] != first[span] for row in rows):
             digest = name == "split sizes"
             where = f"{_shown(0, first)} #{_shown(1, first)}"
-            text = (f"ranks called different collectives at rank 0's {where}: {name} differs "
-                    f"({_groups(field, rows, digest)})")
+            text = (f"ranks called different collectives at rank 0's {where}, first difference in "
+                    f"{name} ({_groups(field, rows, digest)})")
             return brief(text, 200)
     return None  # pragma: no cover - rows that differ differ in some field
 
