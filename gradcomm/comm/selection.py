@@ -166,7 +166,7 @@ def init(
         local_rank: explicit rank on this host (same default).
         device: device of the tensors to reduce; default the backend's (cpu for gloo and mpi,
             ``cuda:local_rank`` for nccl and cupy-nccl). ``"cuda"`` with mpi passes GPU buffers.
-        debug: ``"detail"`` (or :class:`~gradcomm.comm.consistency.DebugLevel`) checks every
+        debug: ``"detail"`` (or :class:`~gradcomm.comm.DebugLevel`) checks every
             collective's arguments across ranks first and raises RuntimeError on every rank
             when they differ (one small all-gather each; docs/failures.md); ``"off"``; default
             ``GRADCOMM_DEBUG``, else off. Pass the same on every rank.
