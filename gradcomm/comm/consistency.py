@@ -127,7 +127,9 @@ def fingerprint(opname: str, description: DescriptionLike, dtype: torch.dtype | 
         seq, numel, root, splits, label, extra = -1, 0, None, None, None, None
     split_word = 0 if splits is None else _digest(
         b"".join(int(s).to_bytes(8, "little", signed=True) for s in splits))
-    words += [seq, _DTYPE_CODE.get(dtype, -1) if dtype is not None else 0, numel, split_word,
+    # a dtype outside _DTYPES (shown as "other") by a digest of its name, so two such differ
+    code = 0 if dtype is None else _DTYPE_CODE.get(dtype) or _digest(str(dtype).encode())
+    words += [seq, code, numel, split_word,
               -1 if root is None else root,
               _OPS.index(extra) if isinstance(extra, ReduceOp) else -1,
               *_text_words("" if label is None else label)]
@@ -136,10 +138,10 @@ def fingerprint(opname: str, description: DescriptionLike, dtype: torch.dtype | 
 
 def _shown(field: int, row: Sequence[int]) -> str:
     """How field ``field`` (index into _FIELDS) of a fingerprint ``row`` is named in messages."""
-    if _SIZES[field] == 2:
+    if _SIZES[field] == 2:  # text: the op name as it is, a label quoted
         raw = b"".join(w.to_bytes(8, "little", signed=True) for w in row[_SPANS[field]])
-        return repr(raw.rstrip(b"\0").decode("utf-8", "replace")) if field else raw.rstrip(
-            b"\0").decode("utf-8", "replace")
+        text = raw.rstrip(b"\0").decode("utf-8", "replace")
+        return repr(text) if field else text
     value = row[_SPANS[field].start]
     if field == 2:
         return "none" if value == 0 else (str(_DTYPES[value - 1]).replace("torch.", "")

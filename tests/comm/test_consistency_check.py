@@ -16,11 +16,13 @@ import torch
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.comm.consistency import DebugLevel, debug_level_from_env, mismatch_message
+from gradcomm.hooks import GradientReducer
 
 from dist_utils import REPO_ROOT, TESTS_DIR, run_mpi, run_processes
 
 sys.path.insert(0, str(TESTS_DIR / "mpi_scripts"))
 import consistency_cases as cc
+from reducer_common import batch, eval_bn, grads_close, loss_fn, make_model, reference_grads
 
 NAMES = list(cc.CASES)
 JOB = TESTS_DIR / "mpi_scripts" / "consistency_job.py"
@@ -127,3 +129,34 @@ def test_mpi_every_case(world_size: int) -> None:
     lines = dict(re.findall(rf"RESULT case=(\w+) world={world_size} (.*)", out))
     assert sorted(lines) == sorted(NAMES), out
     assert {case: status for case, status in lines.items() if status != "ok"} == {}, out
+
+
+@pytest.mark.parametrize("in_place", [float("inf"), 0.0])
+def test_reducer_in_debug_mode_gives_the_reference_gradients(in_place: float) -> None:
+    """The reducer's bucket all-reduces (asynchronous, labelled) pass the check unchanged."""
+    def fn(comm: gradcomm.Communicator) -> dict[str, torch.Tensor]:
+        comm.debug = "detail"
+        model = eval_bn(make_model(seed=comm.rank))
+        GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                        in_place_min_mb=in_place)
+        loss_fn(model, *batch(comm.rank)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    out = ThreadGroup(2, timeout=20).run(fn)
+    ref = reference_grads(2)
+    assert grads_close(out[0], ref) == []  # type: ignore[arg-type]
+    assert all(torch.equal(out[0][n], out[1][n]) for n in ref)  # type: ignore[index]
+
+
+def test_a_rank_that_never_comes_is_a_timeout_of_the_check() -> None:
+    def fn(comm: gradcomm.Communicator) -> str:
+        if comm.rank == 1:
+            return "absent"
+        with pytest.raises(gradcomm.CollectiveTimeoutError) as err:
+            comm.all_gather(torch.zeros(4), torch.ones(2))
+        return str(err.value)
+
+    out = ThreadGroup(2, timeout=1).run(fn)
+    assert out[1] == "absent"
+    assert out[0] == ("consistency check before all_gather #0 of 2 torch.float32 on cpu (threads, "
+                      "rank 0/2) did not complete within 1 s; a rank may have died or stalled")
