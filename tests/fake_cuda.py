@@ -163,6 +163,9 @@ class FakeNcclCommunicator:
     def allGather(self, send: int, recv: int, count: int, dtype: int,
                   stream: int) -> None:
         self.log.add("allGather", send, recv, count, dtype, stream)
+        if send != recv:  # every peer sent what this rank sent (count: elements per rank)
+            mine = _view(send, count, dtype).copy()
+            _view(recv, count * self.world_size, dtype)[:] = np.tile(mine, self.world_size)
 
     def check_async_error(self) -> None:
         self.log.add("check_async_error")

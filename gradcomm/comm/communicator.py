@@ -326,7 +326,7 @@ class Communicator(GroupMember, DebugSetting, abc.ABC):
                buf: torch.Tensor | None, label: str | None, async_op: bool) -> Work:
         """Check it across ranks (:attr:`debug`), start ``hook(*args, description)``; copy back."""
         if self._consistency.wants(opname):
-            self._consistency.check(opname, description, None if buf is None else buf.dtype)
+            self._consistency.check(opname, description, buf)
         profiler = self.profiler
         done = (None if profiler is None
                 else profiler.collective_started(opname, buf, label, async_op))

@@ -203,7 +203,8 @@ class ConsistencyCheck:
         complete: ``complete(work, False, None)``: waits for ``work`` under the communicator's
             timeout and stall guard (``Communicator._complete``).
         world_size: number of ranks.
-        device: the communicator's device; the fingerprint tensors live there.
+        device: the communicator's device; a barrier's fingerprint lives there (the others' on
+            the device of the collective's tensor, which the checks placed there).
         level: the initial :class:`DebugLevel` (:attr:`level` may change it).
     """
 
@@ -222,16 +223,24 @@ class ConsistencyCheck:
         """Whether ``opname`` is checked at this level."""
         return self.level is DebugLevel.DETAIL or opname in ALWAYS_CHECKED
 
-    def check(self, opname: str, description: DescriptionLike, dtype: torch.dtype | None) -> None:
+    def check(self, opname: str, description: DescriptionLike, like: torch.Tensor | None) -> None:
         """All-gather this call's fingerprint; raise if any rank's differs.
+
+        ``like`` is the collective's tensor (None for a barrier): the fingerprint is made with
+        its ``new_empty``, so it lives where the transport expects the collective's data.
 
         Raises:
             RuntimeError: the ranks' fingerprints differ (the same message on every rank).
             CollectiveTimeoutError: not every rank joined the check within the timeout.
         """
-        mine = torch.tensor(fingerprint(opname, description, dtype),
-                            dtype=torch.int64, device=self._device)
-        out = torch.empty(self._world_size * _WIDTH, dtype=torch.int64, device=self._device)
+        words = torch.tensor(fingerprint(opname, description,
+                                         None if like is None else like.dtype), dtype=torch.int64)
+        if like is None:
+            mine = words.to(self._device)
+            out = torch.empty(self._world_size * _WIDTH, dtype=torch.int64, device=self._device)
+        else:
+            mine = like.new_empty((_WIDTH,), dtype=torch.int64).copy_(words)
+            out = like.new_empty((self._world_size * _WIDTH,), dtype=torch.int64)
         work = self._exchange(out, mine, f"consistency check before {description}")
         self._complete(work, False, None)
         flat = out.tolist()
