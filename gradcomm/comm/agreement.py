@@ -90,8 +90,7 @@ def agree_on_settings(
     :func:`joins_agreement` says so, on every rank, with or without a ``problem``).
 
     ``mine`` is (backend name, store address, store port, rank, world_size, debug level); None
-    with a
-    ``problem``. Skipped --
+    with a ``problem``. Skipped --
     ``problem``, if any, is raised on this rank only -- without mpi4py, with one MPI rank, or
     after MPI_Finalize. Initialises MPI (also where mpi4py was imported with
     ``mpi4py.rc.initialize = False``) and installs the abort hook unless

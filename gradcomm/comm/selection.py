@@ -188,12 +188,12 @@ def init(
             ``torch.device``; ``debug`` not a str or DebugLevel.
         ValueError: unknown backend name (the message lists the known ones), bad timeout
             (not positive, not finite, or over :data:`MAX_TIMEOUT`), ranks out of range, a
-            device string torch does not know, a ``debug`` or ``GRADCOMM_DEBUG`` naming no level, a
-            ``GRADCOMM_PROFILE``,
-            ``GRADCOMM_MPI_ABORT_ON_ERROR`` or ``GRADCOMM_MPI_CUDA_AWARE`` value that is neither
-            on nor off, a ``GRADCOMM_PROFILE_DIR`` that is (or lies below) a file or cannot be
-            made, a device type the backend does not take, or ranks that chose different
-            backends or store addresses.
+            device string torch does not know, a ``debug`` or ``GRADCOMM_DEBUG`` naming no
+            level, a ``GRADCOMM_PROFILE``, ``GRADCOMM_MPI_ABORT_ON_ERROR`` or
+            ``GRADCOMM_MPI_CUDA_AWARE`` value that is neither on nor off, a
+            ``GRADCOMM_PROFILE_DIR`` that is (or lies below) a file or cannot be made, a device
+            type the backend does not take, or ranks that chose different backends, debug
+            levels or store addresses.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed, an explicit ``rank``/``world_size`` is not MPI's,
