@@ -23,6 +23,7 @@ BASELINES = (
     ("step_time.json", "Training step time"),
     ("step_breakdown.json", "Where a step's time goes"),
     ("call_overhead.json", "Per-call overhead, call by call"),
+    ("consistency_overhead.json", "Cost of the cross-rank collective check"),
     ("allreduce.json", "All-reduce sweep"),
     ("collectives.json", "Sweep of the other collectives"),
     ("sendrecv.json", "Send/recv sweep"),
@@ -170,6 +171,31 @@ def call_overhead_table(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def consistency_table(doc: dict[str, Any]) -> list[str]:
+    """Markdown for a benchmarks/consistency_overhead.py result (one row per backend and size)."""
+    meta = doc["meta"]
+    out = [
+        *provenance(meta),
+        f"{meta['calls']} calls of each kind (a third of that from 64 KiB), interleaved; "
+        f"time = {meta['time']}.",
+        "",
+        "| backend | bytes | all_reduce off | all_reduce detail | x off | all_gather off "
+        "| all_gather detail | x off |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in doc["check_rows"]:
+        k = row["kinds"]
+
+        def cell(name: str, kinds: dict[str, Any] = k) -> str:
+            return f"{kinds[name]['median_us']:.1f} ({kinds[name]['p25_us']:.1f})"
+
+        out.append(f"| {row['backend']} | {row['bytes']} | {cell('all_reduce off')} | "
+                   f"{cell('all_reduce detail')} | {row['detail_ratio']:.2f} | "
+                   f"{cell('all_gather off')} | {cell('all_gather detail')} | "
+                   f"{row['gather_detail_ratio']:.2f} |")
+    return [*out, ""]
+
+
 def step_breakdown_table(doc: dict[str, Any]) -> list[str]:
     """Markdown for a benchmarks/step_breakdown.py result (one row per variant, ms per phase)."""
     meta = doc["meta"]
@@ -200,6 +226,8 @@ def tables(doc: dict[str, Any]) -> list[str] | None:
         return call_overhead_table(doc)
     if "median_ms" in doc:
         return step_breakdown_table(doc)
+    if "check_rows" in doc:
+        return consistency_table(doc)
     if "rows" in doc:
         return sweep_tables(doc)
     return None

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from . import __version__
+from .comm.consistency import debug_level_from_env
 from .comm.env_flag import env_flag
 from .comm.launcher import detect_launch
 from .comm.registry import available_backends
@@ -186,6 +187,7 @@ def _env_errors(env: Mapping[str, str]) -> dict[str, str]:
         ("GRADCOMM_TIMEOUT", lambda: resolve_timeout(None, env)),
         ("GRADCOMM_PROFILE", lambda: profile_requested(env)),
         ("GRADCOMM_PROFILE_DIR", lambda: trace_dir_from_env(env)),
+        ("GRADCOMM_DEBUG", lambda: debug_level_from_env(env)),
         *((name, functools.partial(env_flag, name, None, env))
           for name in ("GRADCOMM_MPI_ABORT_ON_ERROR", "GRADCOMM_MPI_CUDA_AWARE")),
     )

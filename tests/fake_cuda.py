@@ -163,6 +163,9 @@ class FakeNcclCommunicator:
     def allGather(self, send: int, recv: int, count: int, dtype: int,
                   stream: int) -> None:
         self.log.add("allGather", send, recv, count, dtype, stream)
+        if send != recv:  # every peer sent what this rank sent (count: elements per rank)
+            mine = _view(send, count, dtype).copy()
+            _view(recv, count * self.world_size, dtype)[:] = np.tile(mine, self.world_size)
 
     def reduceScatter(self, send: int, recv: int, count: int, dtype: int, op: int,
                       stream: int) -> None:

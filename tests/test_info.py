@@ -114,13 +114,16 @@ def test_collect_info_reads_torchrun_env_and_reports_bad_env() -> None:
 
 
 def test_bad_gradcomm_values_are_flagged_with_inits_error() -> None:
-    env = {"GRADCOMM_TIMEOUT": "soon", "GRADCOMM_PROFILE": "maybe", "GRADCOMM_BACKEND": "gloo"}
+    env = {"GRADCOMM_TIMEOUT": "soon", "GRADCOMM_PROFILE": "maybe", "GRADCOMM_BACKEND": "gloo",
+           "GRADCOMM_DEBUG": "loud"}
     report = collect_info(env, include_mpi=False)
-    assert sorted(report["env_errors"]) == ["GRADCOMM_PROFILE", "GRADCOMM_TIMEOUT"]
-    for name in ("GRADCOMM_TIMEOUT", "GRADCOMM_PROFILE"):
+    assert sorted(report["env_errors"]) == ["GRADCOMM_DEBUG", "GRADCOMM_PROFILE",
+                                            "GRADCOMM_TIMEOUT"]
+    fixes = {"GRADCOMM_TIMEOUT": {}, "GRADCOMM_DEBUG": {"GRADCOMM_TIMEOUT": "5"},
+             "GRADCOMM_PROFILE": {"GRADCOMM_TIMEOUT": "5", "GRADCOMM_DEBUG": "off"}}
+    for name, fixed in fixes.items():  # init checks them in this order
         with pytest.raises(ValueError) as info:
-            gradcomm.init(env=env if name == "GRADCOMM_TIMEOUT" else
-                          {**env, "GRADCOMM_TIMEOUT": "5"})
+            gradcomm.init(env={**env, **fixed})
         assert report["env_errors"][name] == str(info.value)
     text = format_info(report)
     assert re.search(r"^GRADCOMM_TIMEOUT +soon  \[INVALID: ", text, re.MULTILINE), text

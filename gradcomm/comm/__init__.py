@@ -1,10 +1,12 @@
 """gradcomm.comm: one small collective interface, implemented by pluggable backends.
 
 See :class:`Communicator` for the interface, :func:`init` to build one, :func:`register_backend` to
-add a backend, and :func:`detect_launch` for launcher detection.
+add a backend, :func:`detect_launch` for launcher detection, and :class:`DebugLevel` for the
+cross-rank check of every collective (``GRADCOMM_DEBUG``).
 """
 
 from .communicator import Communicator
+from .consistency import DebugLevel
 from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
 from .hierarchical import HierarchicalAllReduce
 from .launcher import Launcher, LaunchInfo, detect_launch
@@ -35,4 +37,5 @@ __all__ = [
     "BackendChoice",
     "select_backend",
     "init",
+    "DebugLevel",
 ]

@@ -89,8 +89,8 @@ def agree_on_settings(
     """Make a setting that is bad on any rank raise on every rank (call where
     :func:`joins_agreement` says so, on every rank, with or without a ``problem``).
 
-    ``mine`` is (backend name, store address, store port, rank, world_size); None with a
-    ``problem``. Skipped --
+    ``mine`` is (backend name, store address, store port, rank, world_size, debug level); None
+    with a ``problem``. Skipped --
     ``problem``, if any, is raised on this rank only -- without mpi4py, with one MPI rank, or
     after MPI_Finalize. Initialises MPI (also where mpi4py was imported with
     ``mpi4py.rc.initialize = False``) and installs the abort hook unless
@@ -100,8 +100,8 @@ def agree_on_settings(
         Exception: ``problem`` on this rank; on the others the same kind (TypeError, ValueError,
             ImportError, BackendUnavailableError; RuntimeError for anything else), naming the
             rank(s) and their messages.
-        ValueError: the ranks chose different backends, or (torch.distributed backends)
-            different store addresses.
+        ValueError: the ranks chose different backends or debug levels, or
+            (torch.distributed backends) different store addresses.
         RuntimeError: a rank's rank/world_size (explicit arguments) is not MPI's, or an earlier
             check in this process timed out (its request is still pending).
         CollectiveTimeoutError: not every rank arrived within ``timeout`` seconds, counted once
@@ -150,6 +150,11 @@ def agree_on_settings(
         listed = "; ".join(f"rank {r}: {b}" for r, b in enumerate(backends[:8]))
         raise ValueError(f"the ranks chose different backends ({listed}); pass the same backend "
                          "or set the same GRADCOMM_BACKEND on every rank")
+    levels = [c[5] for c in chosen]
+    if len(set(levels)) > 1:  # a check on some ranks only would pair with real collectives
+        listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(levels[:8]))
+        raise ValueError(f"the ranks chose different debug levels ({listed}); pass the same "
+                         "debug or set the same GRADCOMM_DEBUG on every rank")
     mismatch = launch_mismatch(  # an explicit rank=/world_size= that is not MPI's
         [(r, len(views), c[3], c[4]) for r, c in enumerate(chosen)], "explicit")
     if mismatch is not None:

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from .consistency import ConsistencyCheck, DebugLevel, DebugSetting
 from .emulation import average, reduce_complex
 from .issue import IssuePath
 from .object_ops import ObjectOps
@@ -49,7 +50,7 @@ __all__ = ["Communicator", "CollectiveObserver"]
 
 
 class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, IssuePath,
-                   abc.ABC):
+                   DebugSetting, abc.ABC):
     """A group of ``world_size`` processes that run collectives on tensors of one device type.
 
     All collectives work in place on the given tensor and preserve its dtype and shape. Each
@@ -75,14 +76,15 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
                          timeout=timeout)
         self._closed = False
         self._seq = itertools.count()
+        self._p2p_seq = itertools.count()  # transfers, numbered apart from collectives
         self._stalls = StallGuard(self.backend)
         self._stall_note = self._stalls.note  # bound once, not per collective (Work.bind)
         self._checks = TensorChecks(self.backend, self._device, f"rank {rank}/{world_size}",
                                     self._supports)
         self._kinds = self._checks.kinds  # the cache itself: one lookup less per call
-        # all_reduce may use cached checks unless a backend adds checks of its own to _check_tensor
-        self._cached_checks = (world_size > 1
-                               and type(self)._check_tensor is Communicator._check_tensor)
+        self._consistency = ConsistencyCheck(self._all_gather, self._complete, world_size, device)
+        self._plain_checks = type(self)._check_tensor is Communicator._check_tensor
+        self.debug = DebugLevel.OFF  # sets _cached_checks
         #: Optional :class:`CollectiveObserver` told of every collective (None: off).
         self.profiler: CollectiveObserver | None = None
 
@@ -229,7 +231,7 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
             check_writable(tensor, "broadcast")
             return CompletedWork(target=tensor)
         buf = plain(tensor, "broadcast")
-        desc = Description("broadcast", next(self._seq), buf.numel(), tail, f"src={src}")
+        desc = Description("broadcast", next(self._seq), buf.numel(), tail, f"src={src}", root=src)
         return self._issue("broadcast", self._broadcast, (buf, src), desc, tensor, buf, None,
                            async_op)
 
@@ -282,7 +284,8 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
         self._check_open()
         if self._world_size == 1:
             return
-        desc = f"barrier #{next(self._seq)} ({self.backend}, rank {self._rank}/{self._world_size})"
+        desc = Description("barrier", next(self._seq), 0,
+                           f" ({self.backend}, rank {self._rank}/{self._world_size})")
         self._issue("barrier", self._barrier, (), desc, None, None, None, False)
 
     def close(self) -> None:
@@ -301,10 +304,8 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
         self.close()
 
     def __repr__(self) -> str:
-        return (
-            f"<{type(self).__name__} backend={self.backend} rank={self._rank}/{self._world_size} "
-            f"local_rank={self._local_rank} device={self._device}>"
-        )
+        return (f"<{type(self).__name__} backend={self.backend} rank={self._rank}/"
+                f"{self._world_size} local_rank={self._local_rank} device={self._device}>")
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod

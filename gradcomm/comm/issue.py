@@ -3,8 +3,9 @@
 :class:`IssuePath` is the base of :class:`~gradcomm.comm.Communicator` and of its collective
 mixins (:mod:`~gradcomm.comm.shard_ops`, :mod:`~gradcomm.comm.rooted_ops`,
 :mod:`~gradcomm.comm.object_ops`): a collective checks its arguments on every rank
-(:mod:`~gradcomm.comm.validation`), then calls :meth:`IssuePath._issue`, which tells the
-profiler, starts the hook, copies a contiguous stand-in back into the caller's tensor on
+(:mod:`~gradcomm.comm.validation`), then calls :meth:`IssuePath._issue`, which compares the
+call across ranks where the debug level asks for it (:mod:`~gradcomm.comm.consistency`), tells
+the profiler, starts the hook, copies a contiguous stand-in back into the caller's tensor on
 completion, binds the :class:`~gradcomm.comm.Work` to the stall guard
 (:mod:`~gradcomm.comm.stalls`) and waits unless ``async_op``.
 """
@@ -17,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from .consistency import ConsistencyCheck
 from .group import GroupMember
 from .observer import CollectiveObserver
 from .stalls import StallGuard
@@ -38,9 +40,11 @@ class IssuePath(GroupMember):
     profiler: CollectiveObserver | None
     _closed: bool
     _seq: itertools.count[int]
+    _p2p_seq: itertools.count[int]
     _stalls: StallGuard
     _stall_note: Callable[[Work], None]
     _checks: TensorChecks
+    _consistency: ConsistencyCheck
 
     def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
         """The backend's answer for ``supports`` (``dtype`` is a torch.dtype)."""
@@ -67,7 +71,10 @@ class IssuePath(GroupMember):
     def _issue(self, opname: str, hook: Callable[..., Work], args: tuple[object, ...],
                description: DescriptionLike, target: torch.Tensor | None,
                buf: torch.Tensor | None, label: str | None, async_op: bool) -> Work:
-        """Start ``hook(*args, description)`` on ``buf``, profiled; copy back into ``target``."""
+        """Check it across ranks (:attr:`debug`), start ``hook(*args, description)`` on ``buf``,
+        profiled; copy back into ``target``."""
+        if self._consistency.wants(opname):
+            self._consistency.check(opname, description, buf)
         profiler = self.profiler
         done = (None if profiler is None
                 else profiler.collective_started(opname, buf, label, async_op))

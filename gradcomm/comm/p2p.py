@@ -185,7 +185,9 @@ class PointToPoint(IssuePath):
         if kind is P2PKind.RECV:
             check_writable(tensor, "recv")
         buf = plain(tensor, kind.value if kind is P2PKind.RECV else None)
-        desc = Description(kind.value, next(self._seq), buf.numel(), tail,
+        # numbered apart from collectives: only two ranks see a transfer, and debug mode
+        # compares the collective sequence numbers of every rank
+        desc = Description(kind.value, next(self._p2p_seq), buf.numel(), tail,
                            f"{name}={peer} tag={tag}")
         return Transfer(kind, tensor, buf, peer, tag, desc)
 

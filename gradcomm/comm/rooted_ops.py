@@ -69,7 +69,8 @@ class RootedOps(IssuePath):
         if self._world_size == 1 or tensor.numel() == 0:
             return CompletedWork(target=tensor)
         buf = plain(tensor, "reduce")
-        desc = Description("reduce", next(self._seq), buf.numel(), tail, op, f"dst={dst}")
+        desc = Description("reduce", next(self._seq), buf.numel(), tail, op, f"dst={dst}",
+                           root=dst)
         return self._issue("reduce", self._start_reduce, (buf.view(-1), dst, op), desc, tensor,
                            buf, label, async_op)
 
@@ -118,7 +119,7 @@ class RootedOps(IssuePath):
         out = plain(output, "gather") if root and output is not None else None
         if out is not None and overlap(src, out):
             src = src.clone()
-        desc = Description("gather", next(self._seq), src.numel(), tail, f"dst={dst}")
+        desc = Description("gather", next(self._seq), src.numel(), tail, f"dst={dst}", root=dst)
         return self._issue("gather", self._gather,
                            (None if out is None else out.view(-1), src.view(-1), dst), desc,
                            output if root else None, out, None, async_op)
@@ -158,7 +159,7 @@ class RootedOps(IssuePath):
         inp = plain(input) if root and input is not None else None
         if inp is not None and overlap(inp, out):
             inp = inp.clone()
-        desc = Description("scatter", next(self._seq), out.numel(), tail, f"src={src}")
+        desc = Description("scatter", next(self._seq), out.numel(), tail, f"src={src}", root=src)
         return self._issue("scatter", self._scatter,
                            (out.view(-1), None if inp is None else inp.view(-1), src), desc,
                            output, out, None, async_op)

@@ -18,6 +18,7 @@ import torch
 
 from .agreement import agree_on_settings, joins_agreement
 from .communicator import Communicator
+from .consistency import DebugLevel, debug_level_from_env
 from .env_flag import env_flag
 from .launcher import LaunchInfo, detect_launch
 from .mpi_abort import ABORT_ENV_VAR
@@ -150,6 +151,7 @@ def init(
     local_rank: int | None = None,
     device: torch.device | str | None = None,
     env: Mapping[str, str] | None = None,
+    debug: DebugLevel | str | None = None,
 ) -> Communicator:
     """Build this process's communicator; call it once on every rank.
 
@@ -164,9 +166,13 @@ def init(
         local_rank: explicit rank on this host (same default).
         device: device of the tensors to reduce; default the backend's (cpu for gloo and mpi,
             ``cuda:local_rank`` for nccl and cupy-nccl). ``"cuda"`` with mpi passes GPU buffers.
+        debug: ``"detail"`` (or :class:`~gradcomm.comm.DebugLevel`) checks every
+            collective's arguments across ranks first and raises RuntimeError on every rank
+            when they differ (one small all-gather each; docs/failures.md); ``"off"``; default
+            ``GRADCOMM_DEBUG``, else off. Pass the same on every rank.
         env: environment to read (default os.environ): the launcher's variables (rank, world
-            size, ``MASTER_ADDR``/``MASTER_PORT``), ``GRADCOMM_BACKEND``, ``GRADCOMM_TIMEOUT``
-            and ``GRADCOMM_PROFILE``. ``GRADCOMM_PROFILE=1`` attaches a
+            size, ``MASTER_ADDR``/``MASTER_PORT``), ``GRADCOMM_BACKEND``, ``GRADCOMM_TIMEOUT``,
+            ``GRADCOMM_DEBUG`` and ``GRADCOMM_PROFILE``. ``GRADCOMM_PROFILE=1`` attaches a
             :mod:`gradcomm.profiler` that writes a Chrome trace per rank when the communicator is
             closed (or at exit) into ``GRADCOMM_PROFILE_DIR`` (default: the working directory).
             Process-wide settings are read from os.environ by what they configure:
@@ -179,14 +185,15 @@ def init(
     Raises:
         TypeError: ``env`` is not a mapping of strings to strings; ``rank``, ``world_size`` or
             ``local_rank`` not an int (bool and float refused); ``device`` not a str or
-            ``torch.device``.
+            ``torch.device``; ``debug`` not a str or DebugLevel.
         ValueError: unknown backend name (the message lists the known ones), bad timeout
             (not positive, not finite, or over :data:`MAX_TIMEOUT`), ranks out of range, a
-            device string torch does not know, a ``GRADCOMM_PROFILE``,
-            ``GRADCOMM_MPI_ABORT_ON_ERROR`` or ``GRADCOMM_MPI_CUDA_AWARE`` value that is neither
-            on nor off, a ``GRADCOMM_PROFILE_DIR`` that is (or lies below) a file or cannot be
-            made, a device type the backend does not take, or ranks that chose different
-            backends or store addresses.
+            device string torch does not know, a ``debug`` or ``GRADCOMM_DEBUG`` naming no
+            level, a ``GRADCOMM_PROFILE``, ``GRADCOMM_MPI_ABORT_ON_ERROR`` or
+            ``GRADCOMM_MPI_CUDA_AWARE`` value that is neither on nor off, a
+            ``GRADCOMM_PROFILE_DIR`` that is (or lies below) a file or cannot be made, a device
+            type the backend does not take, or ranks that chose different backends, debug
+            levels or store addresses.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed, an explicit ``rank``/``world_size`` is not MPI's,
@@ -222,6 +229,8 @@ def init(
         device = _checked_device(device)
         choice = select_backend(backend, launch_env)
         seconds = resolve_timeout(timeout, launch_env)
+        level = (debug_level_from_env(launch_env) if debug is None
+                 else DebugLevel.coerce(debug, "debug"))
         launch: LaunchInfo = detect_launch(
             launch_env, rank=rank, world_size=world_size, local_rank=local_rank
         )
@@ -237,13 +246,14 @@ def init(
         raise
     if joins_agreement(launch_env, world_size):
         agree_on_settings(None, (choice.name, launch.master_addr, launch.master_port,
-                                 launch.rank, launch.world_size), seconds)
+                                 launch.rank, launch.world_size, level.value), seconds)
     logger.debug(
         "init: backend %s (%s), rank %d/%d, local_rank %d, launcher %s, timeout %.1f s",
         choice.name, choice.reason, launch.rank, launch.world_size, launch.local_rank,
         launch.launcher.value, seconds,
     )
     comm = create_communicator(choice.name, launch, seconds, device)
+    comm.debug = level
     logger.debug("init: created %r", comm)
     if profiling:
         attach_from_env(comm, launch_env)

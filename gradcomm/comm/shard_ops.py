@@ -168,9 +168,11 @@ class ShardOps(IssuePath):
         src, out = plain(input), plain(output, "all_gather")
         if overlap(src, out):
             src = src.clone()
-        desc = Description("all_gather", next(self._seq), src.numel(), tail, "uneven")
+        splits = tuple(n * row for n in rows)  # equal on every rank, unlike the input's size
+        desc = Description("all_gather", next(self._seq), out.numel(), tail, "uneven",
+                           splits=splits)
         return self._issue("all_gather", self._all_gather_v,
-                           (out.view(-1), src.view(-1), [n * row for n in rows]), desc,
+                           (out.view(-1), src.view(-1), list(splits)), desc,
                            output, out, None, async_op)
 
     # ------------------------------------------------------------------ backend hooks

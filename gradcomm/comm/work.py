@@ -34,10 +34,13 @@ class Description:
     device and group, from the communicator's cache). Formatting is cheap when warm but not between
     two large collectives, whose traffic leaves the caches cold (benchmarks/call_overhead.py), and
     the text is almost never read, so collectives keep the parts and :class:`Work` formats them
-    on demand.
+    on demand. The parts are also what :mod:`~gradcomm.comm.consistency` compares across ranks:
+    a collective with a root or split sizes passes them as ``root`` and ``splits`` (shown in the
+    text through ``extra``, e.g. ``"src=0"``).
     """
 
-    __slots__ = ("_extra", "_label", "_numel", "_opname", "_seq", "_tail", "_text")
+    __slots__ = ("_extra", "_label", "_numel", "_opname", "_seq", "_tail", "_text", "root",
+                 "splits")
 
     def __init__(
         self,
@@ -47,6 +50,8 @@ class Description:
         tail: str,
         extra: object = "",
         label: str | None = None,
+        root: int | None = None,
+        splits: tuple[int, ...] | None = None,
     ) -> None:
         self._opname = opname
         self._seq = seq
@@ -55,12 +60,37 @@ class Description:
         self._extra = extra
         self._label = label
         self._text: str | None = None
+        #: The rank a rooted collective sends from or collects at (None: no root).
+        self.root = root
+        #: Split sizes in elements, per rank (None: none); equal on every rank.
+        self.splits = splits
+
+    @property
+    def seq(self) -> int:
+        """This communicator's sequence number of the call."""
+        return self._seq
+
+    @property
+    def numel(self) -> int:
+        """Element count (of the input, for all_gather)."""
+        return self._numel
+
+    @property
+    def extra(self) -> object:
+        """The reduce op, or other text (``"src=0"``)."""
+        return self._extra
+
+    @property
+    def label(self) -> str | None:
+        """The caller's label, or None."""
+        return self._label
 
     def __str__(self) -> str:
         if self._text is None:
             words = [getattr(self._extra, "name", self._extra), self._label]
             detail = "".join(f" {w}" for w in words if w)
-            self._text = f"{self._opname} #{self._seq}{detail} of {self._numel}{self._tail}"
+            count = f" of {self._numel}" if self._numel else ""  # a barrier carries no data
+            self._text = f"{self._opname} #{self._seq}{detail}{count}{self._tail}"
         return self._text
 
     def __repr__(self) -> str:

@@ -21,7 +21,7 @@ from fake_cuda import Log, install, install_cupy
 from fake_device import FakeDeviceTensor
 
 from gradcomm import CollectiveTimeoutError, ReduceOp
-from gradcomm.comm import Launcher, LaunchInfo, cuda_packages
+from gradcomm.comm import Launcher, LaunchInfo, consistency, cuda_packages
 from gradcomm.comm.backends import cupy_nccl, mpi_device, nccl, torch_dist
 from gradcomm.comm.rendezvous import Rendezvous
 
@@ -71,9 +71,12 @@ def test_cupy_nccl_runs_on_its_own_stream_ordered_like_process_group_nccl(cupy_c
 
 
 def test_cupy_nccl_all_gather_records_both_buffers_and_wait_polls_the_event(
-    cupy_comm: Any,
+    cupy_comm: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     comm, fake, _ = cupy_comm
+    # the all_gather alone: its size check (an all-gather waited at once) would wait on events
+    # this test completes by hand (its device path: the test below)
+    monkeypatch.setattr(consistency, "ALWAYS_CHECKED", frozenset())
     fake.events_complete = False
     src, out = _cuda(torch.ones(3)), _cuda(torch.zeros(6))
     work = comm.all_gather(out, src, async_op=True)
@@ -84,6 +87,18 @@ def test_cupy_nccl_all_gather_records_both_buffers_and_wait_polls_the_event(
     threading.Timer(0.05, lambda: setattr(fake.events[0], "done", True)).start()
     work.wait()
     assert fake.log.calls[-1] == ("wait_event", "current", fake.events[0].name)
+
+
+def test_cupy_nccl_debug_check_gathers_a_fingerprint_on_the_device_first(cupy_comm: Any) -> None:
+    comm, fake, _ = cupy_comm
+    comm.debug = "detail"
+    t = _cuda(torch.arange(4.0))
+    comm.all_reduce(t)
+    sent = [c[0] for c in fake.log.calls if c[0] in ("allGather", "allReduce")]
+    assert sent == ["allGather", "allReduce"]  # the check first, then the collective
+    recorded = [c[1] for c in fake.log.calls if c[0] == "record_stream"]
+    assert len(recorded) == 3 and recorded[-1] == t.data_ptr()  # fingerprints are device tensors
+    assert torch.equal(t._data, torch.arange(4.0) * 2)
 
 
 def test_cupy_nccl_timeout_aborts_and_the_communicator_stays_unusable(cupy_comm: Any) -> None:

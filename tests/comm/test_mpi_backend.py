@@ -235,6 +235,8 @@ _BAD_ONE_RANK = {  # case: what every rank's message must contain
     "rank_out_of_range": "rank must be in [0, ",
     "rank_without_size": "give rank and world_size together",
     "placement_with_store": "the launch settings disagree with MPI on 1 of 2 ranks",
+    "debug_env": "GRADCOMM_DEBUG must be 'off' or 'detail' (any case), got 'verbose'",
+    "other_debug": "the ranks chose different debug levels (rank 0: off; rank 1: detail)",
 }
 _RAISED_AS = {"env_arg": "TypeError", "placement_with_store": "RuntimeError"}  # else ValueError
 
@@ -258,7 +260,8 @@ def test_a_setting_bad_on_one_rank_raises_on_every_rank(backend: str, case: str)
     for line in lines:
         assert f"{kind}: " in line and _BAD_ONE_RANK[case] in line, out
         rank = int(re.search(r"rank=(\d+)", line).group(1))  # type: ignore[union-attr]
-        if case not in ("other_backend", "store_one_rank", "placement_with_store") and \
+        if case not in ("other_backend", "store_one_rank", "placement_with_store",
+                        "other_debug") and \
                 rank != n - 1:  # the others name the rank that had the problem
             assert f"gradcomm.init failed on 1 of {n} ranks (rank {n - 1}: {kind}:" in line, out
     total = n * (n + 1) // 2

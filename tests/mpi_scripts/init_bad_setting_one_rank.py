@@ -33,6 +33,8 @@ CASES = {
     "rank_out_of_range": (None, 5),  # explicit rank=5 (with world_size) on one rank only
     "rank_without_size": (None, "x"),  # explicit rank alone on one rank only
     "placement_with_store": (None, 0),  # rank=0 on the last rank, a store address everywhere
+    "debug_env": ("GRADCOMM_DEBUG", "verbose"),
+    "other_debug": ("GRADCOMM_DEBUG", "detail"),  # valid, but its checks would pair with data
 }
 
 

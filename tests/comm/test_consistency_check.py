@@ -1,0 +1,163 @@
+"""The cross-rank collective check (gradcomm.comm.consistency): mismatched calls raise the same
+RuntimeError on every rank (in ``GRADCOMM_DEBUG=detail`` mode), and
+matching calls give the values they give without it. Threads for the logic, spawned gloo ranks
+and real ``mpiexec`` for the transports, one job per world size running every case.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+import gradcomm
+from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm.consistency import DebugLevel, debug_level_from_env, mismatch_message
+from gradcomm.hooks import GradientReducer
+
+from dist_utils import REPO_ROOT, TESTS_DIR, run_mpi, run_processes
+
+sys.path.insert(0, str(TESTS_DIR / "mpi_scripts"))
+import consistency_cases as cc
+from reducer_common import batch, eval_bn, grads_close, loss_fn, make_model, reference_grads
+
+NAMES = list(cc.CASES)
+JOB = TESTS_DIR / "mpi_scripts" / "consistency_job.py"
+ENV = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR),
+                                      str(TESTS_DIR / "mpi_scripts")])}
+
+
+def _problems(outcomes: list[list[cc.Outcome]], world_size: int) -> dict[str, list[str]]:
+    found = {name: cc.verify(name, [rank_out[i] for rank_out in outcomes], world_size)
+             for i, name in enumerate(NAMES)}
+    return {name: p for name, p in found.items() if p}
+
+
+# ----------------------------------------------------------------------------- logic (threads)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_threads_every_case(world_size: int) -> None:
+    group = ThreadGroup(world_size, timeout=20)
+    outcomes = group.run(lambda comm: cc.run_cases(comm, NAMES))
+    assert _problems(outcomes, world_size) == {}  # type: ignore[arg-type]
+
+
+def test_message_is_exact_on_every_rank() -> None:
+    group = ThreadGroup(2, timeout=20)
+    outcomes = group.run(lambda comm: cc.run_cases(comm, ["dtype"]))
+    expected = ("ranks called different collectives at rank 0's all_reduce #0, first difference "
+                "in dtype (rank 0: float32; rank 1: float64)")
+    assert outcomes == [[("error", ("RuntimeError", expected))]] * 2
+
+
+def test_fingerprint_fields_in_messages() -> None:
+    group = ThreadGroup(2, timeout=20)
+
+    def labelled(comm: gradcomm.Communicator) -> str:
+        comm.debug = DebugLevel.DETAIL
+        with pytest.raises(RuntimeError) as err:
+            comm.all_reduce(torch.ones(2), label=f"bucket {comm.rank}")
+        return str(err.value)
+
+    assert group.run(labelled) == [
+        "ranks called different collectives at rank 0's all_reduce #0, first difference in "
+        "label (rank 0: 'bucket 0'; rank 1: 'bucket 1')"] * 2
+    width = len(cc_fingerprint_row())
+    row = cc_fingerprint_row()
+    other = list(row)
+    other[6] = 1234  # the split sizes' digest (after magic, op name, seq, dtype, numel)
+    assert mismatch_message([row, row]) is None
+    assert mismatch_message([row, other, row]) == (
+        "ranks called different collectives at rank 0's all_reduce #7, first difference in "
+        "split sizes (ranks 0,2: A; rank 1: B)")
+    assert "sent no fingerprint" in str(mismatch_message([row, [0] * width]))
+
+
+def cc_fingerprint_row() -> list[int]:
+    from gradcomm.comm.consistency import fingerprint
+    from gradcomm.comm.work import Description
+
+    desc = Description("all_reduce", 7, 10, "", gradcomm.ReduceOp.SUM, splits=(1, 2))
+    return fingerprint("all_reduce", desc, torch.float32)
+
+
+def test_debug_is_off_by_default_and_parsed_once() -> None:
+    comm = gradcomm.init("gloo", rank=0, world_size=1, env={})
+    assert comm.debug is DebugLevel.OFF
+    comm.close()
+    comm = gradcomm.init("gloo", rank=0, world_size=1, env={"GRADCOMM_DEBUG": "DETAIL"})
+    assert comm.debug is DebugLevel.DETAIL
+    comm.close()
+    comm = gradcomm.init("gloo", rank=0, world_size=1, env={"GRADCOMM_DEBUG": "detail"},
+                         debug="off")  # the argument wins
+    assert comm.debug is DebugLevel.OFF
+    comm.close()
+    assert debug_level_from_env({}) is DebugLevel.OFF
+    with pytest.raises(ValueError, match=re.escape("GRADCOMM_DEBUG must be 'off' or 'detail'")):
+        gradcomm.init("gloo", rank=0, world_size=1, env={"GRADCOMM_DEBUG": "verbose"})
+    with pytest.raises(TypeError, match="debug must be a str or DebugLevel, got int"):
+        gradcomm.init("gloo", rank=0, world_size=1, env={}, debug=2)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- real transports
+def _gloo_rank(rank: int, world_size: int, names: list[str]) -> list[cc.Outcome]:
+    torch.set_num_threads(1)
+    comm = gradcomm.init("gloo", timeout=60)
+    try:
+        return cc.run_cases(comm, names)
+    finally:
+        comm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_every_case(world_size: int) -> None:
+    outcomes = run_processes(_gloo_rank, world_size, NAMES, timeout=200)
+    assert _problems(outcomes, world_size) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mpi_every_case(world_size: int) -> None:
+    out = run_mpi(JOB, world_size, ["mpi", *NAMES], timeout=200, env=ENV).stdout
+    lines = dict(re.findall(rf"RESULT case=(\w+) world={world_size} (.*)", out))
+    assert sorted(lines) == sorted(NAMES), out
+    assert {case: status for case, status in lines.items() if status != "ok"} == {}, out
+
+
+@pytest.mark.parametrize("in_place", [float("inf"), 0.0])
+def test_reducer_in_debug_mode_gives_the_reference_gradients(in_place: float) -> None:
+    """The reducer's bucket all-reduces (asynchronous, labelled) pass the check unchanged."""
+    def fn(comm: gradcomm.Communicator) -> dict[str, torch.Tensor]:
+        comm.debug = "detail"
+        model = eval_bn(make_model(seed=comm.rank))
+        GradientReducer(model, comm, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,
+                        in_place_min_mb=in_place)
+        loss_fn(model, *batch(comm.rank)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    out = ThreadGroup(2, timeout=20).run(fn)
+    ref = reference_grads(2)
+    assert grads_close(out[0], ref) == []  # type: ignore[arg-type]
+    assert all(torch.equal(out[0][n], out[1][n]) for n in ref)  # type: ignore[index]
+
+
+def test_a_rank_that_never_comes_is_a_timeout_of_the_check() -> None:
+    def fn(comm: gradcomm.Communicator) -> str:
+        if comm.rank == 1:
+            return "absent"
+        comm.debug = "detail"
+        with pytest.raises(gradcomm.CollectiveTimeoutError) as err:
+            comm.all_gather(torch.zeros(4), torch.ones(2))
+        return str(err.value)
+
+    out = ThreadGroup(2, timeout=1).run(fn)
+    assert out[1] == "absent"
+    assert out[0] == ("consistency check before all_gather #0 of 2 torch.float32 on cpu (threads, "
+                      "rank 0/2) did not complete within 1 s; a rank may have died or stalled")
