@@ -147,12 +147,14 @@ class ReducerOptions:
     gradient_predivide_factor: float | None
     overlap: bool
     broadcast_parameters: bool
+    step_check: bool = True
 
     @classmethod
     def checked(
         cls, *, bucket_cap_mb: object, first_bucket_cap_mb: object, in_place_min_mb: object,
         gradient_as_bucket_view: object, broadcast_buffers: object,
         gradient_predivide_factor: object, overlap: object, broadcast_parameters: object,
+        step_check: object = True,
     ) -> ReducerOptions:
         """The options, validated in the order of the reducer's signature.
 
@@ -166,7 +168,7 @@ class ReducerOptions:
                  else _checked_cap_mb("first_bucket_cap_mb", first_bucket_cap_mb))
         flags = {"gradient_as_bucket_view": gradient_as_bucket_view,
                  "broadcast_buffers": broadcast_buffers, "overlap": overlap,
-                 "broadcast_parameters": broadcast_parameters}
+                 "broadcast_parameters": broadcast_parameters, "step_check": step_check}
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -180,7 +182,7 @@ class ReducerOptions:
             factor = float(f)  # 2 and 2.0 (and numpy scalars) alike
         in_place = None if in_place_min_mb is None else _checked_in_place_min_mb(in_place_min_mb)
         return cls(cap, first, in_place, bool(gradient_as_bucket_view), bool(broadcast_buffers),
-                   factor, bool(overlap), bool(broadcast_parameters))
+                   factor, bool(overlap), bool(broadcast_parameters), bool(step_check))
 
     def check_comm(self, comm: Communicator) -> None:
         """Check what depends on the communicator.
@@ -216,4 +218,5 @@ class ReducerOptions:
                 # These decide which collectives run (a compression hook changes their dtype).
                 f"GradientReducer setting comm_hook={qualified_name(hook)} "
                 f"broadcast_buffers={self.broadcast_buffers} "
-                f"broadcast_parameters={self.broadcast_parameters}"]
+                f"broadcast_parameters={self.broadcast_parameters} "
+                f"step_check={self.step_check}"]

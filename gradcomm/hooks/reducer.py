@@ -126,7 +126,13 @@ def _agree_on_model(comm: Communicator, module: nn.Module | None, named: list[tu
                      MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 2)
         raise ValueError(f"{base}; {_OPTIONS_ADVICE}") from None
     if opts.broadcast_parameters:
-        broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
+        # With a module, written through ``.data`` (no version bump): a graph the user recorded
+        # before the reducer existed then reaches the reducer's check on every rank (the
+        # backward's first hook refuses it, see BackwardPass.begin) rather than torch's
+        # "modified by an inplace operation" on the receiving ranks only. Without a module
+        # nothing could refuse such a graph, so the bump stays and torch refuses it.
+        params = [p.data if module is not None else p.detach() for _, p in named]
+        broadcast_tensors(comm, params + [b for _, b in buffers])
 
 
 def _make_buckets(opts: ReducerOptions, trainable: list[tuple[int, str, nn.Parameter]],
@@ -186,6 +192,11 @@ class GradientReducer:
         overlap: launch buckets during backward as they fill (True) or all at its end (False, the
             old end-of-backward algorithm; same values, bit for bit).
         broadcast_parameters: broadcast parameters and buffers from rank 0 at construction.
+        step_check: check at every synchronised backward, in its existing control all-reduce,
+            that the ranks ran the same number of forwards of the module with gradients enabled
+            since the last one; a rank that skipped a backward makes every rank raise
+            RuntimeError before anything is written back (docs/failures.md). False: no check
+            (for a loop that runs forwards with gradients enabled on some ranks only).
 
     Raises:
         TypeError: bad argument types; a parameter that will produce sparse gradients
@@ -240,13 +251,14 @@ class GradientReducer:
         gradient_predivide_factor: float | None = None,
         overlap: bool = True,
         broadcast_parameters: bool = True,
+        step_check: bool = True,
     ) -> None:
         opts = ReducerOptions.checked(
             bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
             in_place_min_mb=in_place_min_mb, gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
             gradient_predivide_factor=gradient_predivide_factor, overlap=overlap,
-            broadcast_parameters=broadcast_parameters)
+            broadcast_parameters=broadcast_parameters, step_check=step_check)
         hook_fn = resolve_comm_hook(comm_hook)
         if comm is None:
             from ..comm.selection import init
