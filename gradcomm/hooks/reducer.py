@@ -62,7 +62,14 @@ from ._buckets import (
     assign_buckets,
     bucket_strides,
 )
-from ._guard import ModelGuard, named_params, trainable_params
+from ._guard import (
+    ModelGuard,
+    claim_params,
+    named_params,
+    release_params,
+    trainable_params,
+)
+from ._join import join_context
 from ._options import (
     MIB,
     ReducerOptions,
@@ -204,7 +211,8 @@ class GradientReducer:
         ValueError: bad caps, or a factor outside [1, world_size]; parameters on a device the
             communicator does not serve; the model differs across ranks (raised on every rank,
             naming the first difference, before any other collective).
-        RuntimeError: ``comm`` is closed.
+        RuntimeError: ``comm`` is closed; a parameter is reduced by another reducer that was not
+            removed (``remove()``).
 
     Gradient hooks of your own that change ``param.grad`` (per-parameter clipping, noise) must be
     registered (``register_post_accumulate_grad_hook``) before the reducer is constructed: they
@@ -275,11 +283,16 @@ class GradientReducer:
         trainable = trainable_params(self._module, named, comm)
         self._params = [p for _, _, p in trainable]
         self._names = [n for _, n, _ in trainable]
+        self._guard = ModelGuard(self._module, self._params, self._names, named)
+        claim_params(self._guard)  # before any collective: raised alike on every rank
         resolved = opts.resolved(comm)
         self._first_bucket_cap_mb, self._in_place_min_mb = resolved
-        _agree_on_model(comm, self._module, named, opts, resolved, hook_fn)
+        try:
+            _agree_on_model(comm, self._module, named, opts, resolved, hook_fn)
+        except BaseException:
+            release_params(self._guard)
+            raise
         self._buckets = _make_buckets(opts, trainable, resolved, comm.world_size)
-        self._guard = ModelGuard(self._module, self._params, self._names, named)
         self._watch = self._guard.watch
         if self._watch is not None:
             weakref.finalize(self, self._watch.close)
@@ -359,6 +372,37 @@ class GradientReducer:
         finally:
             bw.require_sync = old
 
+    def join(self, divide_by_initial_world_size: bool = False,
+             ) -> contextlib.AbstractContextManager[None]:
+        """Context for uneven inputs: wrap the training loop in it on every rank (DDP's ``join()``).
+
+        A rank whose loop ends before the others' leaves the block and, on the way out,
+        *shadows* the other ranks' synchronised steps -- it sends zeros for every bucket (through
+        the comm hook), no gradient presence, and the buffer broadcast when ``broadcast_buffers``
+        is on -- until every rank has left its loop; then every rank gets the parameters and
+        buffers of a rank that ran every step (joined ranks skipped the later optimizer steps;
+        their optimizer state stays as they left it, as in DDP). No extra collective runs per
+        step: who contributed travels in the reducer's control tensor.
+
+        Args:
+            divide_by_initial_world_size: False (default): a step's gradient is the average over
+                the ranks that contributed to it (those not joined yet), the gradient of the
+                batches that step actually had. True: the sum is divided by ``world_size`` as
+                if joined ranks contributed zeros (DDP's default is True).
+
+        Pass the same value on every rank. Inside the block only the reducer's collectives may
+        run once a rank has joined (no other collective on ``comm``), and every forward that
+        broadcasts buffers must be followed by a synchronised backward (a plain loop is). A
+        joined rank waits for each of the others' steps at most the communicator's timeout.
+
+        Raises:
+            TypeError: ``divide_by_initial_world_size`` is not a bool.
+            RuntimeError: on leaving the block, inside :meth:`no_sync`, with a backward still
+                in flight, or after a failed backward pass.
+            CollectiveTimeoutError: the other ranks ran no synchronised step within the timeout.
+        """
+        return join_context(self._backward, divide_by_initial_world_size)
+
     def register_comm_hook(self, hook: CommHook | str | CommHookFn, state: Any = None) -> None:
         """Replace how buckets are summed (see :mod:`gradcomm.hooks.comm_hooks`).
 
@@ -412,6 +456,7 @@ class GradientReducer:
         if self._watch is not None:
             self._watch.close()
         self._backward.removed = True
+        release_params(self._guard)
 
     # A copy of the module is an ordinary local one (see ForwardPreHook): a reference to the
     # reducer inside it -- apply_gradient_allreduce's ``module.gradient_reducer`` -- is copied and
@@ -432,15 +477,24 @@ def apply_gradient_allreduce(module: nn.Module, comm: Communicator | None = None
 
     Drop-in for the ``apply_gradient_allreduce(module)`` of NVIDIA's tacotron2/waveglow
     ``distributed.py``: parameters are broadcast from rank 0 and every ``loss.backward()`` ends with
-    averaged gradients. The :class:`GradientReducer` doing it (default options) is stored as
+    averaged gradients. Applying it again to the same module (with no ``comm``, or the same one)
+    returns the module unchanged: one reducer, each bucket sent once. The
+    :class:`GradientReducer` doing it (default options) is stored as
     ``module.gradient_reducer``; a ``copy.deepcopy`` or ``torch.save`` of the module is a local
     module whose ``gradient_reducer`` is None.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
+        RuntimeError: the module's ``gradient_reducer`` uses another communicator.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    old = getattr(module, "gradient_reducer", None)
+    if isinstance(old, GradientReducer) and old.module is module and not old._backward.removed:
+        if comm is None or comm is old.comm:
+            return module  # applied again (tacotron2's train.py does): keep the one reducer
+        raise RuntimeError("apply_gradient_allreduce: the module already has a gradient_reducer "
+                           "on another communicator; call module.gradient_reducer.remove() first")
     reducer = GradientReducer(module, comm)
     object.__setattr__(module, "gradient_reducer", reducer)
     return module
