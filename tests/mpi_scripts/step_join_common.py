@@ -3,7 +3,8 @@
 As in ``failure_common.py``: each case is ``run(comm) -> result`` (every rank) and
 ``verify(results, world_size) -> problems`` (once, on every rank's result in rank order). The gloo
 tests (``tests/hooks/test_step_check.py``, ``tests/hooks/test_join.py``) run them in spawned
-processes, ``step_join_values.py`` under ``mpiexec``; both verify with the same code.
+processes, ``step_join_values.py`` under ``mpiexec``; both run and verify them with
+``failure_common``'s runners, in which this module registers its cases.
 
 References are single-process computations: the mean over ranks of each rank's local gradient
 (every rank's batch has the same size, so this is the gradient of the global batch).
@@ -12,9 +13,9 @@ References are single-process computations: the mean over ranks of each rank's l
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
 from typing import Any
 
+import failure_common as fc
 import torch
 from torch import nn
 
@@ -23,19 +24,12 @@ from gradcomm.hooks import GradientReducer, PowerSGDState
 
 Result = Any
 Problems = list[str]
+error_of = fc.error_of
 SKIPPER = 1  # the rank that skips a backward
 LR = 0.1
 
 
 # ----------------------------------------------------------------------------- helpers
-def error_of(fn: Callable[[], object]) -> tuple[str, str] | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the case records what the user sees
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def net(seed: int = 0, bn: bool = False) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     layers: list[nn.Module] = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
@@ -389,44 +383,19 @@ def verify_join(results: list[Result], ws: int, extras: tuple[int, ...] = (1, 2,
 
 
 # ----------------------------------------------------------------------------- registry
-CASES: dict[str, tuple[Callable[[gradcomm.Communicator], Result],
-                       Callable[[list[Result], int], Problems]]] = {
+CASES: dict[str, Any] = {  # name: (run(comm) -> result, verify(results, world_size) -> problems)
     "skipped_backward": (run_skipped_backward, verify_skipped_backward),
     "consistent_loops": (run_consistent_loops, verify_consistent_loops),
     "graph_before_reducer": (run_graph_before_reducer, verify_graph_before_reducer),
     "join": (run_join, verify_join),
 }
-
-
-def run_cases(comm: gradcomm.Communicator, names: list[str]) -> dict[str, Result]:
-    out: dict[str, Result] = {}
-    for name in names:
-        try:
-            out[name] = CASES[name][0](comm)
-        except Exception as exc:  # noqa: BLE001 - reported by verify_case
-            out[name] = ("raised", f"{type(exc).__name__}: {exc}")
-    return out
-
-
-def verify_case(name: str, results: list[dict[str, Result]], world_size: int) -> Problems:
-    raised = [f"rank {r}: {res[name][1]}" for r, res in enumerate(results)
-              if isinstance(res[name], tuple) and res[name][:1] == ("raised",)]
-    if raised:
-        return raised
-    return CASES[name][1]([res[name] for res in results], world_size)
+# Run and verified by failure_common's runners (gloo and mpi alike) once registered there.
+fc.CASES.update(CASES)
 
 
 def gloo_child(rank: int, world_size: int, names: list[str], timeout: float) -> bytes:
-    """Spawned-rank body for ``dist_utils.run_processes``: run ``names`` over gloo; the results
-    go back as ``torch.save`` bytes."""
-    torch.set_num_threads(1)
-    with gradcomm.init("gloo", timeout=timeout) as comm:
-        out = run_cases(comm, names)
-        comm.barrier()
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
+    """Spawned-rank body: importing this module registers its cases in the child too."""
+    return fc.gloo_child(rank, world_size, names, timeout)
 
 
-def load_results(raw: list[bytes]) -> list[dict[str, Result]]:
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in raw]
+run_cases, verify_case, load_results = fc.run_cases, fc.verify_case, fc.load_results
