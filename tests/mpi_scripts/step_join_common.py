@@ -314,6 +314,7 @@ JOIN_MODES: dict[str, tuple[dict[str, Any], bool, int, bool]] = {
                       False),
     "no_sync": ({"bucket_cap_mb": 1e-4}, False, 2, False),
     "buffers": ({"broadcast_buffers": True}, False, 1, True),
+    "fp16": ({"bucket_cap_mb": 1e-4, "comm_hook": "fp16_compress"}, False, 1, False),
 }
 BASE_STEPS = 2
 
@@ -359,6 +360,7 @@ def verify_join(results: list[Result], ws: int, extras: tuple[int, ...] = (1, 2,
     for extra in extras:
         for mode, (_, divide, micro, bn) in JOIN_MODES.items():
             key = f"{mode}/{extra}"
+            tol = 5e-3 if mode == "fp16" else 1e-5  # float16 on the wire
             model = net(bn=bn)
             params = dict(model.named_parameters())
             n_steps = [_steps_of(r, ws, extra) for r in range(ws)]
@@ -368,13 +370,14 @@ def verify_join(results: list[Result], ws: int, extras: tuple[int, ...] = (1, 2,
                                 for r in active], ws if divide else None)
                 for r in active:
                     problems += close(results[r][key]["grads"][step], want,
-                                      f"{key} rank {r} step {step}")
+                                      f"{key} rank {r} step {step}", tol, tol)
                 with torch.no_grad():
                     for n, p in params.items():
                         p.sub_(LR * want[n])
             final = {n: p.detach() for n, p in params.items()}
             for r in range(ws):
-                problems += close(results[r][key]["state"], final, f"{key} rank {r} final")
+                problems += close(results[r][key]["state"], final, f"{key} rank {r} final",
+                                  tol, tol)
                 if bn:  # buffers: the same on every rank
                     for n, t in results[r][key]["state"].items():
                         if not torch.equal(t, results[0][key]["state"][n]):
