@@ -40,9 +40,26 @@ from ._steps import StepState, active_ranks, step_mismatch
 from ._sync import broadcast_tensors, check_fingerprint
 from .comm_hooks import CommHookFn, GradBucket
 
-__all__ = ["BackwardPass", "CommHookSlot"]
+__all__ = ["BackwardPass", "CommHookSlot", "write_back"]
 
 logger = logging.getLogger("gradcomm.hooks")
+
+def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: ControlTensor,
+               overlapping: frozenset[int], divide_by_initial_world_size: bool) -> None:
+    """Write the averages back: the sums divided by the number of ranks that contributed (all
+    but the joined ones, see GradientReducer.join; or by world_size)."""
+    summed, steps = control.summed(), control.steps()
+    n = len(steps) - steps.count(0.0)  # joined ranks send 0
+    rescale = n != len(steps) and not divide_by_initial_world_size
+    for b, (lo, hi) in zip(buckets, spans, strict=True):
+        post = b.post
+        if rescale:  # pre * post == number of contributing ranks for this step
+            b.post = n / b.pre
+        try:
+            b.write_back(summed[lo:hi], overlapping)
+        finally:
+            b.post = post
+
 
 class CommHookSlot:
     """The comm hook a reducer sends its buckets through, and whether ranks agreed on it."""
@@ -281,7 +298,8 @@ class BackwardPass:
             failed_elsewhere = control.failed_elsewhere()
             out_of_step = None if failed_elsewhere else step_mismatch(control.steps())
             if not failed_elsewhere and out_of_step is None:
-                self._write_back(control)
+                write_back(self.buckets, self._spans, control, self.overlapping,
+                           self.divide_by_initial_world_size)
         except BaseException as exc:
             if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
                 self.mark_failed(f"{type(exc).__name__}: {exc}")
@@ -301,25 +319,6 @@ class BackwardPass:
         if out_of_step is not None:
             raise RuntimeError(out_of_step)
 
-    def _write_back(self, control: ControlTensor) -> None:
-        """Write the averages back: the sums divided by the number of ranks that contributed
-        (all but the joined ones; or by world_size, ``divide_by_initial_world_size``)."""
-        summed, steps = control.summed(), control.steps()
-        if 0.0 in steps:  # some rank has joined
-            self.active = active_ranks(steps)
-        elif len(self.active) != len(steps):
-            self.active = list(range(len(steps)))
-        n = len(self.active)
-        rescale = n != len(steps) and not self.divide_by_initial_world_size
-        for b, (lo, hi) in zip(self.buckets, self._spans, strict=True):
-            post = b.post
-            if rescale:  # pre * post == number of contributing ranks for this step
-                b.post = n / b.pre
-            try:
-                b.write_back(summed[lo:hi], self.overlapping)
-            finally:
-                b.post = post
-
     def _wait(self, work: Work, label: str) -> None:
         try:
             work.wait()
@@ -329,9 +328,16 @@ class BackwardPass:
             raise CollectiveTimeoutError(f"reducing {label}: {exc}") from exc
 
     def _reset(self) -> None:
+        control = self.control
+        if control.work is not None and control.work.is_completed():
+            # Every rank reads the same sum, also for a step that raised: the buffer broadcast's
+            # source (the lowest rank not joined) stays the same on every rank.
+            steps = control.steps()
+            if 0.0 in steps or len(self.active) != len(steps):
+                self.active = active_ranks(steps) if 0.0 in steps else list(range(len(steps)))
         for b in self.buckets:
             b.reset()
-        self.control.reset()
+        control.reset()
         self.ready = [False] * len(self.params)
         self.next = 0
         self.polled = 0

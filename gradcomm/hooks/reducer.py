@@ -44,6 +44,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -199,11 +200,9 @@ class GradientReducer:
         overlap: launch buckets during backward as they fill (True) or all at its end (False, the
             old end-of-backward algorithm; same values, bit for bit).
         broadcast_parameters: broadcast parameters and buffers from rank 0 at construction.
-        step_check: check at every synchronised backward, in its existing control all-reduce,
-            that the ranks ran the same number of forwards of the module with gradients enabled
-            since the last one; a rank that skipped a backward makes every rank raise
-            RuntimeError before anything is written back (docs/failures.md). False: no check
-            (for a loop that runs forwards with gradients enabled on some ranks only).
+        step_check: a rank that skipped a backward (counted: forwards with gradients enabled
+            since the last synchronised backward) makes every rank raise RuntimeError before
+            write-back, at no extra collective (docs/failures.md); False: no check.
 
     Raises:
         TypeError: bad argument types; a parameter that will produce sparse gradients
@@ -228,21 +227,17 @@ class GradientReducer:
     wrapper.
 
     During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
-    collective times out (and RuntimeError from every later backward: a late rank may complete
-    the step that timed out here, so the ranks could no longer agree on which step they are in),
-    ``TypeError`` naming a parameter whose gradient is sparse, and ``RuntimeError`` (naming it)
-    when a parameter or a submodule with parameters was replaced (or deleted) on the module after
-    wrapping, or a parameter added, unfrozen, frozen, converted to another dtype or resized there (a
-    reassigned buffer is picked up: buffers have no gradient), or when a gradient was accumulated
-    again after its bucket was sent (reentrant checkpointing of a parameter also used outside the
-    checkpointed region: use ``use_reentrant=False``).
+    collective times out (then RuntimeError from every later backward), ``TypeError`` naming a
+    parameter whose gradient is sparse, and ``RuntimeError``: on every rank when the ranks are out
+    of step (``step_check``) or a rank's backward of this step raised; naming the parameter or
+    submodule replaced, deleted, added, unfrozen, frozen, converted or resized after wrapping (a
+    reassigned buffer is picked up); when a gradient was accumulated again after its bucket was
+    sent (reentrant checkpointing: use ``use_reentrant=False``). Details: docs/failures.md.
 
-    The reducer owns the order of collectives on ``comm`` during backward. Ranks may differ in which
-    parameters get a gradient (a bucket missing one is sent at the end of backward instead), so
-    other collectives on the same communicator *inside* backward -- a second reducer's buckets in
-    the same backward, an all-reduce in an autograd function -- can pair up out of order across
-    ranks; give them a communicator of their own. (A backward that reaches none of the reducer's
-    parameters on some rank is not seen there at all, like a skipped backward; as in DDP.)
+    The reducer owns the order of collectives on ``comm`` during backward: other collectives on the
+    same communicator *inside* backward (a second reducer's buckets in the same backward, an
+    all-reduce in an autograd function) can pair up out of order across ranks, since ranks may
+    differ in which parameters get a gradient; give them a communicator of their own.
     """
 
     def __init__(
@@ -372,33 +367,22 @@ class GradientReducer:
         finally:
             bw.require_sync = old
 
-    def join(self, divide_by_initial_world_size: bool = False,
-             ) -> contextlib.AbstractContextManager[None]:
+    def join(self, divide_by_initial_world_size: bool = False) -> AbstractContextManager[None]:
         """Context for uneven inputs: wrap the training loop in it on every rank (DDP's ``join()``).
 
-        A rank whose loop ends before the others' leaves the block and, on the way out,
-        *shadows* the other ranks' synchronised steps -- it sends zeros for every bucket (through
-        the comm hook), no gradient presence, and the buffer broadcast when ``broadcast_buffers``
-        is on -- until every rank has left its loop; then every rank gets the parameters and
-        buffers of a rank that ran every step (joined ranks skipped the later optimizer steps;
-        their optimizer state stays as they left it, as in DDP). No extra collective runs per
-        step: who contributed travels in the reducer's control tensor.
+        A rank whose loop ends first shadows the others' synchronised steps on leaving the block
+        until every rank has; then every rank gets the model of a rank that ran every step (no
+        collective added per step; docs/reducer.md, "Uneven inputs").
 
         Args:
-            divide_by_initial_world_size: False (default): a step's gradient is the average over
-                the ranks that contributed to it (those not joined yet), the gradient of the
-                batches that step actually had. True: the sum is divided by ``world_size`` as
-                if joined ranks contributed zeros (DDP's default is True).
-
-        Pass the same value on every rank. Inside the block only the reducer's collectives may
-        run once a rank has joined (no other collective on ``comm``), and every forward that
-        broadcasts buffers must be followed by a synchronised backward (a plain loop is). A
-        joined rank waits for each of the others' steps at most the communicator's timeout.
+            divide_by_initial_world_size: False: a step's gradient is averaged over the ranks
+                that contributed to it; True: the sum is divided by ``world_size`` (DDP's
+                default). The same on every rank.
 
         Raises:
             TypeError: ``divide_by_initial_world_size`` is not a bool.
-            RuntimeError: on leaving the block, inside :meth:`no_sync`, with a backward still
-                in flight, or after a failed backward pass.
+            RuntimeError: on leaving the block inside :meth:`no_sync`, with a backward in
+                flight, or after a failed backward pass.
             CollectiveTimeoutError: the other ranks ran no synchronised step within the timeout.
         """
         return join_context(self._backward, divide_by_initial_world_size)
