@@ -159,7 +159,6 @@ class BackwardPass:
         in_backward = current_autograd_node() is not None  # a recompute (checkpointing)
         if torch.is_grad_enabled() and not in_backward:
             self.steps.forwards += 1  # the step state (see _steps): no collective
-            self.steps.seen_forward = True
         # As DDP: only a forward that will be followed by a synchronised backward broadcasts, so
         # an evaluation under torch.no_grad() on some ranks only (or one inside no_sync) issues
         # no collective; a recompute inside backward (checkpointing) does not either.
@@ -192,13 +191,6 @@ class BackwardPass:
             raise RuntimeError(
                 f"GradientReducer: an earlier backward pass failed ({brief(self.failed, 85)}); "
                 "restart from a checkpoint with a new communicator and reducer"
-            )
-        if self.guard.module is not None and not self.steps.seen_forward:
-            # Its graph was recorded before the reducer was built: the construction broadcast
-            # wrote into the parameters it saved. Raised on every rank before any collective.
-            raise RuntimeError(
-                "GradientReducer: backward of a forward run before the reducer was built (or not "
-                "through the wrapped module); build the reducer first, then forward and backward"
             )
         if not self.hook.agreed:
             # register_comm_hook is a local call: before the first bucket is sent, every rank

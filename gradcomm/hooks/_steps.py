@@ -32,15 +32,12 @@ class StepState:
         enabled: the reducer's ``step_check`` option; False sends a constant (no check).
     """
 
-    __slots__ = ("enabled", "forwards", "joined", "seen_forward")
+    __slots__ = ("enabled", "forwards", "joined")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.forwards = 0
         self.joined = False
-        # A forward ran through the module since the reducer was built (see the backward's
-        # begin: a graph recorded before the reducer existed is refused).
-        self.seen_forward = False
 
     def value(self) -> float:
         """What this rank writes into its step slot: 0 when joined, else forwards + 1."""

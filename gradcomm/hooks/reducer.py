@@ -48,6 +48,7 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -134,13 +135,14 @@ def _agree_on_model(comm: Communicator, module: nn.Module | None, named: list[tu
                      MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 2)
         raise ValueError(f"{base}; {_OPTIONS_ADVICE}") from None
     if opts.broadcast_parameters:
-        # With a module, written through ``.data`` (no version bump): a graph the user recorded
-        # before the reducer existed then reaches the reducer's check on every rank (the
-        # backward's first hook refuses it, see BackwardPass.begin) rather than torch's
-        # "modified by an inplace operation" on the receiving ranks only. Without a module
-        # nothing could refuse such a graph, so the bump stays and torch refuses it.
-        params = [p.data if module is not None else p.detach() for _, p in named]
+        params = [p.detach() for _, p in named]
         broadcast_tensors(comm, params + [b for _, b in buffers])
+        if comm.rank == 0:
+            # The others' copy bumped their parameters' versions; rank 0's too, so that a graph
+            # recorded before the reducer existed is refused by autograd on every rank alike
+            # ("modified by an inplace operation"), before any collective, rather than on the
+            # receiving ranks only while rank 0 waits in the first bucket (docs/failures.md).
+            torch.autograd.graph.increment_version(params)
 
 
 def _make_buckets(opts: ReducerOptions, trainable: list[tuple[int, str, nn.Parameter]],
