@@ -18,6 +18,9 @@ SGD step) for each variant -- the same user code for every variant:
   ``"powersgd"`` comm hook, with the same options (``--powersgd-rank``, ``--powersgd-start-iter``;
   the other options torch's defaults). Their table rows add ``x plain`` (against the same variant
   without compression) and ``x ddp+psgd`` (against DDP with torch's PowerSGD hook).
+* ``gradcomm+gloo+nocheck`` / ``gradcomm+mpi+nocheck`` (not run by default): the reducer with
+  ``step_check=False``; their ``x plain`` is against the same variant with the step consistency
+  check (the default), so ``1 / x plain - 1`` is the check's cost.
 
 Variants are interleaved step by step: after ``--warmup`` untimed steps each, round ``i`` of
 ``--steps`` runs one timed step of every variant, in an order rotated every round, so a slow
@@ -78,7 +81,8 @@ from gradcomm.bench.results import run_metadata
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 VARIANTS = ("local", "ddp", "old+gloo", "old+mpi", "gradcomm+gloo", "gradcomm+mpi")
 POWERSGD_VARIANTS = ("ddp+powersgd", "gradcomm+gloo+powersgd", "gradcomm+mpi+powersgd")
-KNOWN_VARIANTS = VARIANTS + POWERSGD_VARIANTS
+NOCHECK_VARIANTS = ("gradcomm+gloo+nocheck", "gradcomm+mpi+nocheck")
+KNOWN_VARIANTS = VARIANTS + POWERSGD_VARIANTS + NOCHECK_VARIANTS
 MODELS = ("mlp", "conv", "transformer", "scalars", "small_layers")
 # Models with many small parameters, whose table adds each variant's per-parameter cost.
 MANY_PARAM_MODELS = ("scalars", "small_layers")
@@ -372,6 +376,10 @@ def build_variant(name: str, base: nn.Module, lr: float, options: dict[str, Any]
         return DDPPowerSGDVariant(base, lr, *powersgd)
     if name.startswith("gradcomm+") and name.endswith("+powersgd"):
         return GradcommVariant(base, lr, name.split("+")[1], options, powersgd)
+    if name.startswith("gradcomm+") and name.endswith("+nocheck"):
+        variant = GradcommVariant(base, lr, name.split("+")[1], {**options, "step_check": False})
+        variant.name = name
+        return variant
     if name == "local":
         return Variant(base, lr)
     if name == "ddp":
@@ -510,6 +518,8 @@ def bench_model(
         refs = {"ddp": "ddp", "old": f"old+{backend}" if name.startswith("gradcomm+") else ""}
         if name.endswith("+powersgd"):
             refs.update(plain=name.removesuffix("+powersgd"), ddp_psgd="ddp+powersgd")
+        if name.endswith("+nocheck"):
+            refs.update(plain=name.removesuffix("+nocheck"))
         paired = {key: (statistics.median(a / b for a, b in zip(per_step, job[ref], strict=True))
                         if ref in job else None) for key, ref in refs.items()}
         step_faults = [max(g[name][i] for g in gathered_faults) for i in range(len(per_step))]

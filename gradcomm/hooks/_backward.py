@@ -8,7 +8,8 @@ collectives in the same order (torch DDP's reducer does the same); in-flight col
 from the hooks (MPI progresses only inside MPI calls). At the end of backward :meth:`finish`
 launches the rest (no gradient on this rank counts as zeros), waits for every bucket in order and
 writes the averages back. Besides the buckets, every pass sends one small control tensor (see
-:mod:`._control`: presence flags and the failure signal), after the last bucket. A pass that
+:mod:`._control`: presence flags, the failure signal and each rank's step state, checked by
+:mod:`._steps`), after the last bucket. A pass that
 raised is noticed at the next forward, backward or ``synchronize()``, and :meth:`abort` sends its
 remaining buckets and the control tensor marked as failed, so that the other ranks' backward of
 that step raises too instead of pairing collectives of different steps.
@@ -35,12 +36,30 @@ from ._buckets import Bucket, overlapping_grads
 from ._control import CONTROL_LABEL, ControlTensor
 from ._guard import ModelGuard
 from ._options import ReducerOptions, qualified_name
+from ._steps import StepState, active_ranks, step_mismatch
 from ._sync import broadcast_tensors, check_fingerprint
 from .comm_hooks import CommHookFn, GradBucket
 
-__all__ = ["BackwardPass", "CommHookSlot"]
+__all__ = ["BackwardPass", "CommHookSlot", "write_back"]
 
 logger = logging.getLogger("gradcomm.hooks")
+
+def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: ControlTensor,
+               overlapping: frozenset[int], divide_by_initial_world_size: bool) -> None:
+    """Write the averages back: the sums divided by the number of ranks that contributed (all
+    but the joined ones, see GradientReducer.join; or by world_size)."""
+    summed, steps = control.summed(), control.steps()
+    n = len(steps) - steps.count(0.0)  # joined ranks send 0
+    rescale = n != len(steps) and not divide_by_initial_world_size
+    for b, (lo, hi) in zip(buckets, spans, strict=True):
+        post = b.post
+        if rescale:  # pre * post == number of contributing ranks for this step
+            b.post = n / b.pre
+        try:
+            b.write_back(summed[lo:hi], overlapping)
+        finally:
+            b.post = post
+
 
 class CommHookSlot:
     """The comm hook a reducer sends its buckets through, and whether ranks agreed on it."""
@@ -114,6 +133,11 @@ class BackwardPass:
             self._spans.append((offset, offset + len(b.params)))
             offset += len(b.params)
         self.overlapping: frozenset[int] = frozenset()
+        self.steps = StepState(options.step_check)
+        # Ranks that contributed to the last reduced backward (all but the joined ones, see
+        # GradientReducer.join); the same on every rank, as it is read from the control's sum.
+        self.active: list[int] = list(range(comm.world_size))
+        self.divide_by_initial_world_size = False  # set by join()
         self.require_sync = True
         self.epoch_active = False
         self.ready = [False] * len(self.params)
@@ -132,12 +156,16 @@ class BackwardPass:
         self.discard_if_stale()
         self.guard.check()
         self.checked = True  # begin need not check again
+        in_backward = current_autograd_node() is not None  # a recompute (checkpointing)
+        if torch.is_grad_enabled() and not in_backward:
+            self.steps.forwards += 1  # the step state (see _steps): no collective
         # As DDP: only a forward that will be followed by a synchronised backward broadcasts, so
         # an evaluation under torch.no_grad() on some ranks only (or one inside no_sync) issues
         # no collective; a recompute inside backward (checkpointing) does not either.
         if (self.broadcast_buffers and self.require_sync and torch.is_grad_enabled()
-                and current_autograd_node() is None and self.failed is None):
-            broadcast_tensors(self.comm, [b for _, b in module.named_buffers()])
+                and not in_backward and self.failed is None):
+            # From the lowest rank that contributed to the last step (rank 0 unless it joined).
+            broadcast_tensors(self.comm, [b for _, b in module.named_buffers()], self.active[0])
 
     def discard_if_stale(self) -> None:
         """Abort a pass whose backward raised (see :meth:`abort`)."""
@@ -261,6 +289,7 @@ class BackwardPass:
                 self.launch(self.buckets[self.next])
                 self.next += 1
             control = self.control
+            control.set_step(self.steps.value())
             control.send()
             for b in self.buckets:
                 assert b.work is not None  # every bucket was launched above
@@ -268,10 +297,10 @@ class BackwardPass:
             assert control.work is not None  # sent above
             self._wait(control.work, CONTROL_LABEL)
             failed_elsewhere = control.failed_elsewhere()
-            if not failed_elsewhere:
-                summed = control.summed()
-                for b, (lo, hi) in zip(self.buckets, self._spans, strict=True):
-                    b.write_back(summed[lo:hi], self.overlapping)
+            out_of_step = None if failed_elsewhere else step_mismatch(control.steps())
+            if not failed_elsewhere and out_of_step is None:
+                write_back(self.buckets, self._spans, control, self.overlapping,
+                           self.divide_by_initial_world_size)
         except BaseException as exc:
             if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
                 self.mark_failed(f"{type(exc).__name__}: {exc}")
@@ -288,6 +317,8 @@ class BackwardPass:
                 "gradient of this step was written back; skip or redo this step alike on every "
                 "rank"
             )
+        if out_of_step is not None:
+            raise RuntimeError(out_of_step)
 
     def _wait(self, work: Work, label: str) -> None:
         try:
@@ -298,14 +329,22 @@ class BackwardPass:
             raise CollectiveTimeoutError(f"reducing {label}: {exc}") from exc
 
     def _reset(self) -> None:
+        control = self.control
+        if control.work is not None and control.work.is_completed():
+            # Every rank reads the same sum, also for a step that raised: the buffer broadcast's
+            # source (the lowest rank not joined) stays the same on every rank.
+            steps = control.steps()
+            if 0.0 in steps or len(self.active) != len(steps):
+                self.active = active_ranks(steps) if 0.0 in steps else list(range(len(steps)))
         for b in self.buckets:
             b.reset()
-        self.control.reset()
+        control.reset()
         self.ready = [False] * len(self.params)
         self.next = 0
         self.polled = 0
         self.epoch_active = False
         self.checked = False
+        self.steps.forwards = 0
 
     def _send_rest_as_failed(self) -> None:
         """Send the buckets of this backward pass not sent yet and the control tensor, marked as
@@ -319,7 +358,8 @@ class BackwardPass:
                         self._stage_ready(b)
                     self.hook.send(b, b.failed())
                     self.next += 1
-                self.control.mark_failed()  # unless already sent (then it is too late)
+                if self.control.mark_failed():  # unless already sent (then it is too late)
+                    self.control.set_step(self.steps.value())
                 self.control.send()
         except Exception as exc:  # noqa: BLE001 - already failing; wait for what went out
             logger.warning("GradientReducer: sending the rest of a failed backward pass failed: "

@@ -9,11 +9,13 @@ backward pass, posted after the last bucket:
 * the failure signal: the number of ranks whose backward pass of this step raised. A rank whose
   backward failed sends the rest of its buckets (their contents do not matter) and this tensor with
   its failure slot set, so the other ranks raise instead of writing back;
-* one slot reserved for a step-consistency value (always 0 for now), so that adding one later does
-  not change the layout ranks exchange.
+* one step slot per rank (see :mod:`._steps`): rank ``r`` writes its step value into slot ``r``
+  and leaves the others 0, so the sum gives every rank's value -- the number of forwards with
+  gradients enabled since the last reduced backward, plus 1; 0 for a rank that has joined
+  (:meth:`~gradcomm.hooks.GradientReducer.join`) and only shadows the others' collectives.
 
-float32, which every transport reduces natively and which counts ranks exactly (up to 2**24), on
-the communicator's device.
+float32, which every transport reduces natively and which counts ranks and forwards exactly (up to
+2**24), on the communicator's device.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..comm.work import Work
 
 __all__ = ["ControlTensor", "CONTROL_LABEL"]
 
-CONTROL_LABEL = "control tensor (presence flags, failure signal)"
+CONTROL_LABEL = "control tensor (presence flags, failure signal, step state)"
 
 
 class ControlTensor:
@@ -44,7 +46,10 @@ class ControlTensor:
         self.comm = comm
         n = sum(counts)
         self._failed_slot = n
-        self.tensor = torch.zeros(n + 2, dtype=torch.float32, device=comm.device)
+        self._steps_at = n + 1
+        self._step_slot = n + 1 + comm.rank
+        self.tensor = torch.zeros(n + 1 + comm.world_size, dtype=torch.float32,
+                                  device=comm.device)
         self.flags: list[torch.Tensor] = []
         offset = 0
         for c in counts:
@@ -59,6 +64,10 @@ class ControlTensor:
             return False
         self.tensor[self._failed_slot] = 1.0
         return True
+
+    def set_step(self, value: float) -> None:
+        """Write this rank's step value (see the module) before :meth:`send`."""
+        self.tensor[self._step_slot] = value
 
     def send(self) -> None:
         """Post the all-reduce (SUM), once per backward pass."""
@@ -76,8 +85,12 @@ class ControlTensor:
         """Whether some rank sent this step as failed (after :attr:`work` completed)."""
         return self.summed()[self._failed_slot] != 0.0
 
+    def steps(self) -> list[float]:
+        """Every rank's step value, in rank order (after :attr:`work` completed)."""
+        return self.summed()[self._steps_at :]
+
     def reset(self) -> None:
-        """Forget this backward pass: no work in flight, the failure and reserved slots 0 again
+        """Forget this backward pass: no work in flight, the failure and step slots 0 again
         (they hold the last sum). The presence flags are rewritten by every launch."""
         self.tensor[self._failed_slot :] = 0.0
         self.work = None

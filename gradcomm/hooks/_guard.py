@@ -10,6 +10,7 @@ the reducer does not know would stay local and the ranks would drift apart.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
@@ -23,7 +24,11 @@ from ._structure import StructureWatch
 # Closing advice of the errors for a model changed after wrapping (details: docs/failures.md).
 _REBUILD = "change the model before wrapping it (reducer.remove() first)"
 
-__all__ = ["ModelGuard", "named_params", "trainable_params"]
+__all__ = ["ModelGuard", "named_params", "trainable_params", "claim_params",
+           "release_params"]
+
+# Which live reducer reduces a parameter: id(param) -> (param, its reducer's guard), both weakly.
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[ModelGuard]]] = {}
 
 # What the forward check compares: (what, table, key, the object expected at table[key]).
 _Entry = tuple[str, dict[str, Any], str, object]
@@ -128,6 +133,37 @@ def trainable_params(
     return trainable
 
 
+def claim_params(guard: ModelGuard) -> None:
+    """Record ``guard``'s reducer as the one reducing its parameters.
+
+    Raises:
+        RuntimeError: a parameter is reduced by another live reducer (not removed): every
+            backward would send its gradient twice. Raised before any collective, so on every
+            rank that builds the same reducers.
+    """
+    for name, p in zip(guard.names, guard.params, strict=True):
+        entry = _OWNERS.get(id(p))
+        if entry is None or entry[0]() is not p:
+            continue
+        other = entry[1]()
+        if other is not None and other is not guard and other.owning:
+            raise RuntimeError(
+                f"parameter {brief(name, 50)} is already reduced by another GradientReducer; "
+                "call remove() on that one first, or build one reducer for the whole model"
+            )
+    for p in guard.params:
+        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(guard))
+
+
+def release_params(guard: ModelGuard) -> None:
+    """Forget ``guard``'s claim (its reducer was removed)."""
+    guard.owning = False
+    for p in guard.params:
+        entry = _OWNERS.get(id(p))
+        if entry is not None and entry[1]() in (guard, None):
+            del _OWNERS[id(p)]
+
+
 def _raise_unreduced(name: str) -> NoReturn:
     raise RuntimeError(
         f"parameter {brief(name, 60)} was added, replaced or unfrozen after the "
@@ -152,6 +188,7 @@ class ModelGuard:
         self._frozen: list[tuple[str, torch.Tensor]] = []  # may be unfrozen later
         self._frozen_tensors: list[torch.Tensor] = []
         self._param_ids = frozenset(id(p) for p in params)
+        self.owning = True  # its reducer reduces the parameters (see claim_params)
         self._layouts = [(p.dtype, p.shape) for p in params]  # what the buckets hold
         self._states = [(True, dtype, shape) for dtype, shape in self._layouts]
         self._owners_unchanged = self._links_unchanged = _Unchanged([])

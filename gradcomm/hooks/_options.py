@@ -145,13 +145,14 @@ class ReducerOptions:
     overlap: bool
     broadcast_parameters: bool
     hierarchical: bool = False
+    step_check: bool = True
 
     @classmethod
     def checked(
         cls, *, bucket_cap_mb: object, first_bucket_cap_mb: object, in_place_min_mb: object,
         gradient_as_bucket_view: object, broadcast_buffers: object,
         gradient_predivide_factor: object, overlap: object, broadcast_parameters: object,
-        hierarchical: object = False, custom_hook: bool = False,
+        hierarchical: object = False, custom_hook: bool = False, step_check: object = True,
     ) -> ReducerOptions:
         """The options, validated in the order of the reducer's signature.
 
@@ -166,7 +167,8 @@ class ReducerOptions:
                  else _checked_cap_mb("first_bucket_cap_mb", first_bucket_cap_mb))
         flags = {"gradient_as_bucket_view": gradient_as_bucket_view,
                  "broadcast_buffers": broadcast_buffers, "overlap": overlap,
-                 "broadcast_parameters": broadcast_parameters, "hierarchical": hierarchical}
+                 "broadcast_parameters": broadcast_parameters, "hierarchical": hierarchical,
+                 "step_check": step_check}
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -183,7 +185,8 @@ class ReducerOptions:
             raise ValueError("hierarchical=True sums buckets with its own hook; it cannot be "
                              "combined with a comm_hook other than 'allreduce'")
         return cls(cap, first, in_place, bool(gradient_as_bucket_view), bool(broadcast_buffers),
-                   factor, bool(overlap), bool(broadcast_parameters), bool(hierarchical))
+                   factor, bool(overlap), bool(broadcast_parameters), bool(hierarchical),
+                   bool(step_check))
 
     def check_comm(self, comm: Communicator) -> None:
         """Check what depends on the communicator.
@@ -219,4 +222,5 @@ class ReducerOptions:
                 # These decide which collectives run (a compression hook changes their dtype).
                 f"GradientReducer setting comm_hook={qualified_name(hook)} "
                 f"broadcast_buffers={self.broadcast_buffers} "
-                f"broadcast_parameters={self.broadcast_parameters}"]
+                f"broadcast_parameters={self.broadcast_parameters} "
+                f"step_check={self.step_check}"]

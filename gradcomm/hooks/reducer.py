@@ -46,9 +46,11 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -65,7 +67,14 @@ from ._buckets import (
     assign_buckets,
     bucket_strides,
 )
-from ._guard import ModelGuard, named_params, trainable_params
+from ._guard import (
+    ModelGuard,
+    claim_params,
+    named_params,
+    release_params,
+    trainable_params,
+)
+from ._join import join_context
 from ._options import (
     MIB,
     ReducerOptions,
@@ -136,7 +145,14 @@ def _agree_on_model(comm: Communicator, module: nn.Module | None, named: list[tu
                      MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 2)
         raise ValueError(f"{base}; {_OPTIONS_ADVICE}") from None
     if opts.broadcast_parameters:
-        broadcast_tensors(comm, [p.detach() for _, p in named] + [b for _, b in buffers])
+        params = [p.detach() for _, p in named]
+        broadcast_tensors(comm, params + [b for _, b in buffers])
+        if comm.rank == 0:
+            # The others' copy bumped their parameters' versions; rank 0's too, so that a graph
+            # recorded before the reducer existed is refused by autograd on every rank alike
+            # ("modified by an inplace operation"), before any collective, rather than on the
+            # receiving ranks only while rank 0 waits in the first bucket (docs/failures.md).
+            torch.autograd.graph.increment_version(params)
 
 
 def _make_buckets(opts: ReducerOptions, trainable: list[tuple[int, str, nn.Parameter]],
@@ -203,6 +219,9 @@ class GradientReducer:
             up to rounding; each bucket's three steps complete before the hook returns. Needs
             the same number of ranks on every host; hosts come from ``GRADCOMM_HOST_ID`` or the
             hostname. Not with another ``comm_hook``.
+        step_check: a rank that skipped a backward (counted: forwards with gradients enabled
+            since the last synchronised backward) makes every rank raise RuntimeError before
+            write-back, at no extra collective (docs/failures.md); False: no check.
 
     Raises:
         TypeError: bad argument types; a parameter that will produce sparse gradients
@@ -210,7 +229,8 @@ class GradientReducer:
         ValueError: bad caps, or a factor outside [1, world_size]; parameters on a device the
             communicator does not serve; the model differs across ranks (raised on every rank,
             naming the first difference, before any other collective).
-        RuntimeError: ``comm`` is closed.
+        RuntimeError: ``comm`` is closed; a parameter is reduced by another reducer that was not
+            removed (``remove()``).
 
     Gradient hooks of your own that change ``param.grad`` (per-parameter clipping, noise) must be
     registered (``register_post_accumulate_grad_hook``) before the reducer is constructed: they
@@ -227,21 +247,17 @@ class GradientReducer:
     wrapper.
 
     During backward it raises :class:`~gradcomm.CollectiveTimeoutError` naming the bucket when a
-    collective times out (and RuntimeError from every later backward: a late rank may complete
-    the step that timed out here, so the ranks could no longer agree on which step they are in),
-    ``TypeError`` naming a parameter whose gradient is sparse, and ``RuntimeError`` (naming it)
-    when a parameter or a submodule with parameters was replaced (or deleted) on the module after
-    wrapping, or a parameter added, unfrozen, frozen, converted to another dtype or resized there (a
-    reassigned buffer is picked up: buffers have no gradient), or when a gradient was accumulated
-    again after its bucket was sent (reentrant checkpointing of a parameter also used outside the
-    checkpointed region: use ``use_reentrant=False``).
+    collective times out (then RuntimeError from every later backward), ``TypeError`` naming a
+    parameter whose gradient is sparse, and ``RuntimeError``: on every rank when the ranks are out
+    of step (``step_check``) or a rank's backward of this step raised; naming the parameter or
+    submodule replaced, deleted, added, unfrozen, frozen, converted or resized after wrapping (a
+    reassigned buffer is picked up); when a gradient was accumulated again after its bucket was
+    sent (reentrant checkpointing: use ``use_reentrant=False``). Details: docs/failures.md.
 
-    The reducer owns the order of collectives on ``comm`` during backward. Ranks may differ in which
-    parameters get a gradient (a bucket missing one is sent at the end of backward instead), so
-    other collectives on the same communicator *inside* backward -- a second reducer's buckets in
-    the same backward, an all-reduce in an autograd function -- can pair up out of order across
-    ranks; give them a communicator of their own. (A backward that reaches none of the reducer's
-    parameters on some rank is not seen there at all, like a skipped backward; as in DDP.)
+    The reducer owns the order of collectives on ``comm`` during backward: other collectives on the
+    same communicator *inside* backward (a second reducer's buckets in the same backward, an
+    all-reduce in an autograd function) can pair up out of order across ranks, since ranks may
+    differ in which parameters get a gradient; give them a communicator of their own.
     """
 
     def __init__(
@@ -259,6 +275,7 @@ class GradientReducer:
         overlap: bool = True,
         broadcast_parameters: bool = True,
         hierarchical: bool = False,
+        step_check: bool = True,
     ) -> None:
         resolved_hook = resolve_comm_hook(comm_hook)
         opts = ReducerOptions.checked(
@@ -267,7 +284,7 @@ class GradientReducer:
             broadcast_buffers=broadcast_buffers,
             gradient_predivide_factor=gradient_predivide_factor, overlap=overlap,
             broadcast_parameters=broadcast_parameters, hierarchical=hierarchical,
-            custom_hook=resolved_hook is not allreduce_hook)
+            custom_hook=resolved_hook is not allreduce_hook, step_check=step_check)
         hook_fn = hierarchical_hook if opts.hierarchical else resolved_hook
         if comm is None:
             from ..comm.selection import init
@@ -284,11 +301,16 @@ class GradientReducer:
         trainable = trainable_params(self._module, named, comm)
         self._params = [p for _, _, p in trainable]
         self._names = [n for _, n, _ in trainable]
+        self._guard = ModelGuard(self._module, self._params, self._names, named)
+        claim_params(self._guard)  # before any collective: raised alike on every rank
         resolved = opts.resolved(comm)
         self._first_bucket_cap_mb, self._in_place_min_mb = resolved
-        _agree_on_model(comm, self._module, named, opts, resolved, hook_fn)
+        try:
+            _agree_on_model(comm, self._module, named, opts, resolved, hook_fn)
+        except BaseException:
+            release_params(self._guard)
+            raise
         self._buckets = _make_buckets(opts, trainable, resolved, comm.world_size)
-        self._guard = ModelGuard(self._module, self._params, self._names, named)
         self._watch = self._guard.watch
         if self._watch is not None:
             weakref.finalize(self, self._watch.close)
@@ -370,6 +392,26 @@ class GradientReducer:
         finally:
             bw.require_sync = old
 
+    def join(self, divide_by_initial_world_size: bool = False) -> AbstractContextManager[None]:
+        """Context for uneven inputs: wrap the training loop in it on every rank (DDP's ``join()``).
+
+        A rank whose loop ends first shadows the others' synchronised steps on leaving the block
+        until every rank has; then every rank gets the model of a rank that ran every step (no
+        collective added per step; docs/reducer.md, "Uneven inputs").
+
+        Args:
+            divide_by_initial_world_size: False: a step's gradient is averaged over the ranks
+                that contributed to it; True: the sum is divided by ``world_size`` (DDP's
+                default). The same on every rank.
+
+        Raises:
+            TypeError: ``divide_by_initial_world_size`` is not a bool.
+            RuntimeError: on leaving the block inside :meth:`no_sync`, with a backward in
+                flight, or after a failed backward pass.
+            CollectiveTimeoutError: the other ranks ran no synchronised step within the timeout.
+        """
+        return join_context(self._backward, divide_by_initial_world_size)
+
     def register_comm_hook(self, hook: CommHook | str | CommHookFn, state: Any = None) -> None:
         """Replace how buckets are summed (see :mod:`gradcomm.hooks.comm_hooks`).
 
@@ -423,6 +465,7 @@ class GradientReducer:
         if self._watch is not None:
             self._watch.close()
         self._backward.removed = True
+        release_params(self._guard)
 
     # A copy of the module is an ordinary local one (see ForwardPreHook): a reference to the
     # reducer inside it -- apply_gradient_allreduce's ``module.gradient_reducer`` -- is copied and
@@ -443,15 +486,24 @@ def apply_gradient_allreduce(module: nn.Module, comm: Communicator | None = None
 
     Drop-in for the ``apply_gradient_allreduce(module)`` of NVIDIA's tacotron2/waveglow
     ``distributed.py``: parameters are broadcast from rank 0 and every ``loss.backward()`` ends with
-    averaged gradients. The :class:`GradientReducer` doing it (default options) is stored as
+    averaged gradients. Applying it again to the same module (with no ``comm``, or the same one)
+    returns the module unchanged: one reducer, each bucket sent once. The
+    :class:`GradientReducer` doing it (default options) is stored as
     ``module.gradient_reducer``; a ``copy.deepcopy`` or ``torch.save`` of the module is a local
     module whose ``gradient_reducer`` is None.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
+        RuntimeError: the module's ``gradient_reducer`` uses another communicator.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    old = getattr(module, "gradient_reducer", None)
+    if isinstance(old, GradientReducer) and old.module is module and not old._backward.removed:
+        if comm is None or comm is old.comm:
+            return module  # applied again (tacotron2's train.py does): keep the one reducer
+        raise RuntimeError("apply_gradient_allreduce: the module already has a gradient_reducer "
+                           "on another communicator; call module.gradient_reducer.remove() first")
     reducer = GradientReducer(module, comm)
     object.__setattr__(module, "gradient_reducer", reducer)
     return module

@@ -1001,8 +1001,10 @@ def test_in_place_min_mb_follows_cheap_collectives(cheap: bool, want: float) -> 
         with seeded(0):
             model = nn.Sequential(nn.Linear(800, 800))
         reducer = GradientReducer(model, comm)
+        got = reducer.in_place_min_mb, [b.in_place for b in reducer.buckets]
+        reducer.remove()  # one live reducer per parameter
         explicit = GradientReducer(model, comm, in_place_min_mb=3.0).in_place_min_mb
-        return reducer.in_place_min_mb, [b.in_place for b in reducer.buckets], explicit
+        return *got, explicit
 
     with patch.object(ThreadCommunicator, "cheap_collectives", new_callable=PropertyMock,
                       return_value=cheap):
