@@ -14,9 +14,9 @@ from dist_utils import TESTS_DIR, run_mpi
 
 # At 3 ranks the case holds on mpi only: the thread backend (a test double) sums float16 in
 # float16, more than the one ulp the case allows from the float32 reference, and gloo's ring adds
-# three ranks' values in an order that depends on the buffer's size, so gradients reduced in
-# buckets and in place differ in rounding (the bit-for-bit check). Two values add exactly alike
-# in either order.
+# three ranks' values in an order that depends on where an element lies in the buffer, so
+# gradients reduced in buckets and in place differ in rounding (the bit-for-bit check). Two values
+# add exactly alike in either order.
 RUNS = [pytest.param(*p.values, n, marks=p.marks, id=f"{p.values[0]}-{n}")
         for p, worlds in ((ranks.THREADS, (1, 2)), (ranks.GLOO, (2,)), (ranks.MPI, (1, 2, 3)))
         for n in worlds]
