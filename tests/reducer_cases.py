@@ -27,6 +27,7 @@ from mpi_scripts.reducer_common import (
     grads_close,
     loss_fn,
     make_model,
+    seeded,
 )
 from mpi_scripts.reducer_common import ulp_distance as ulps
 from torch import nn
@@ -119,7 +120,11 @@ _FINGERPRINT_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 def _fingerprint_model(kind: str, rank: int, world_size: int) -> nn.Module:
-    torch.manual_seed(100 + rank)  # different values per rank: a broadcast would show
+    with seeded(100 + rank):  # different values per rank: a broadcast would show
+        return _build_fingerprint_model(kind, rank, world_size)
+
+
+def _build_fingerprint_model(kind: str, rank: int, world_size: int) -> nn.Module:
     odd = rank == world_size - 1
     if kind == "name":
         return nn.ModuleDict({"enc": nn.Linear(3, 4), ("head" if odd else "dec"): nn.Linear(4, 2)})
@@ -259,10 +264,10 @@ class Checkpointed(nn.Module):
 
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
-        torch.manual_seed(5)
-        self.a = nn.Linear(6, 6)
-        self.b = nn.Linear(6, 6)
-        self.c = nn.Linear(6, 1)
+        with seeded(5):
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 6)
+            self.c = nn.Linear(6, 1)
         self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -309,9 +314,9 @@ class Tied(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(6)
-        self.emb = nn.Embedding(6, 4)
-        self.out = nn.Linear(4, 6, bias=False)
+        with seeded(6):
+            self.emb = nn.Embedding(6, 4)
+            self.out = nn.Linear(4, 6, bias=False)
         self.out.weight = self.emb.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -588,8 +593,8 @@ def run_buffers(comm: gradcomm.Communicator, steps: int = 3) -> Result:
     class Odd(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(8)
-            self.lin = nn.Linear(3, 2)
+            with seeded(8):
+                self.lin = nn.Linear(3, 2)
             self.steps = 0  # a python int
             self.name = "odd"
             self.register_buffer("absent", None)
@@ -608,8 +613,8 @@ def run_buffers(comm: gradcomm.Communicator, steps: int = 3) -> Result:
     class RunningMean(nn.Module):  # reassigns its buffer in every forward
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(8)
-            self.lin = nn.Linear(3, 2)
+            with seeded(8):
+                self.lin = nn.Linear(3, 2)
             self.register_buffer("avg", torch.zeros(2))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -703,7 +708,11 @@ def verify_buffers(results: list[Result], world_size: int, steps: int = 3) -> Pr
 
 # ----------------------------------------------------------------------------- 9. degenerate
 def _degenerate(kind: str) -> nn.Module:
-    torch.manual_seed(9)
+    with seeded(9):
+        return _build_degenerate(kind)
+
+
+def _build_degenerate(kind: str) -> nn.Module:
     if kind == "empty":
         return nn.Sequential()
     if kind == "frozen":

@@ -1,4 +1,5 @@
-"""GradientReducer under real ``mpiexec`` with the MPI backend, against one-process references."""
+"""GradientReducer against one-process references on every backend, and a step that timed out
+under real ``mpiexec``."""
 
 from __future__ import annotations
 
@@ -6,19 +7,26 @@ import re
 from pathlib import Path
 
 import pytest
+import ranks
+from mpi_scripts.reducer_grads import reducer_values
 
 from dist_utils import TESTS_DIR, run_mpi
 
-SCRIPT = TESTS_DIR / "mpi_scripts" / "reducer_grads.py"
+# At 3 ranks the case holds on mpi only: the thread backend (a test double) sums float16 in
+# float16, more than the one ulp the case allows from the float32 reference, and gloo's ring adds
+# three ranks' values in an order that depends on where an element lies in the buffer, so
+# gradients reduced in buckets and in place differ in rounding (the bit-for-bit check). Two values
+# add exactly alike in either order.
+RUNS = [pytest.param(*p.values, n, marks=p.marks, id=f"{p.values[0]}-{n}")
+        for p, worlds in ((ranks.THREADS, (1, 2)), (ranks.GLOO, (2,)), (ranks.MPI, (1, 2, 3)))
+        for n in worlds]
 
 
-@pytest.mark.slow
-@pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3])
-def test_reducer_mpi_matches_reference(n: int) -> None:
-    proc = run_mpi(SCRIPT, n, timeout=150, env={"GRADCOMM_BACKEND": "mpi"})
-    for rank in range(n):
-        assert f"RESULT ok rank={rank} world={n} backend=mpi" in proc.stdout, proc.stdout
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("comm_runner", "n"), RUNS, indirect=["comm_runner"])
+def test_reducer_matches_reference(comm_runner: ranks.RankRunner, n: int) -> None:
+    got = comm_runner(reducer_values, n, timeout=150)
+    assert got == [(r, n, comm_runner.backend) for r in range(n)]
 
 
 @pytest.mark.slow

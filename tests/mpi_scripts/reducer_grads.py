@@ -1,12 +1,12 @@
-"""Run under ``mpiexec -n N`` (any N >= 1): GradientReducer values against one-process references.
+"""GradientReducer values against one-process references, on every rank of any backend: a case
+for ``ranks.RankRunner`` (tests/hooks/test_reducer_mpi.py runs it on every backend).
 
-Backend from ``GRADCOMM_BACKEND`` (the test sets ``mpi``). Checks, on every rank: gradients equal
-one process's gradients on the concatenated global batch (float32, 1e-6 of each tensor's max), are
-bit-identical across ranks, overlapped equal end-of-backward and in-place reduction (some or every
-gradient reduced in place in ``param.grad``) bit for bit, a head unused on rank 1
-averages as (g + 0) / N, a layer unused everywhere keeps ``grad=None``, and float16 buckets match
-the float32 average cast back within one ulp. Prints ``RESULT ok rank=<r> world=<n>``; a wrong value
-raises AssertionError naming the check (non-zero exit).
+Checks, on every rank: gradients equal one process's gradients on the concatenated global batch
+(float32, 1e-6 of each tensor's max), are bit-identical across ranks, overlapped equal
+end-of-backward and in-place reduction (some or every gradient reduced in place in
+``param.grad``) bit for bit, a head unused on rank 1 averages as (g + 0) / N, a layer unused
+everywhere keeps ``grad=None``, and float16 buckets match the float32 average cast back within
+one ulp. A wrong value raises AssertionError naming the check.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
-from reducer_common import (
+from mpi_scripts.reducer_common import (
     batch,
     eval_bn,
     flat_grads,
@@ -36,9 +36,8 @@ def identical_across_ranks(comm: gradcomm.Communicator, t: torch.Tensor) -> bool
     return bool(((rows == rows[0]) | (rows.isnan() & rows[0].isnan())).all())  # NaN: grad None
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    comm = gradcomm.init(timeout=60)
+def reducer_values(comm: gradcomm.Communicator) -> tuple[int, int, str]:
+    """Run the checks on this rank; ``(rank, world size, backend)``."""
     rank, ws = comm.rank, comm.world_size
     ref = reference_grads(ws)
 
@@ -101,9 +100,4 @@ def main() -> None:
     assert bool(same_sign.all()) and int(ulps.max()) <= 1, f"fp16: {int(ulps.max())} ulps"
 
     comm.barrier()
-    print(f"RESULT ok rank={rank} world={ws} backend={comm.backend}", flush=True)
-    comm.close()
-
-
-if __name__ == "__main__":
-    main()
+    return rank, ws, comm.backend
