@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,6 +124,9 @@ class BackwardPass:
         # Why reduction stopped for good (a collective of some backward pass failed or timed out).
         self.failed: str | None = None
         self.checked = False  # module checked for replaced params since the last backward
+        # Takes each reduced bucket instead of its write_back (a ShardedOptimizer of stage 2 keeps
+        # only this rank's shard): sink(bucket, summed presence flags of its parameters).
+        self.sink: Callable[[Bucket, list[float]], None] | None = None
         self.token: weakref.ref[BackwardEnd] = weakref.ref(BackwardEnd(self))  # dead
 
     # ------------------------------------------------------------------ forward
@@ -261,8 +265,12 @@ class BackwardPass:
             failed_elsewhere = control.failed_elsewhere()
             if not failed_elsewhere:
                 summed = control.summed()
+                sink = self.sink
                 for b, (lo, hi) in zip(self.buckets, self._spans, strict=True):
-                    b.write_back(summed[lo:hi], self.overlapping)
+                    if sink is None:
+                        b.write_back(summed[lo:hi], self.overlapping)
+                    else:
+                        sink(b, summed[lo:hi])
         except BaseException as exc:
             if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
                 self.mark_failed(f"{type(exc).__name__}: {exc}")
