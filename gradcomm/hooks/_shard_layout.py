@@ -120,24 +120,25 @@ def check_dense(params: tuple[nn.Parameter, ...], names: tuple[str, ...]) -> Non
                              "it a tensor of its own (e.g. .clone()) before building the reducer")
 
 
-def gather_params(comm: Communicator, shards: list[BucketShard]) -> None:
+def gather_params(comm: Communicator, shards: list[BucketShard],
+                  buffers: list[torch.Tensor]) -> None:
     """All-gather every bucket's updated shards and copy them into the parameters, so every rank
     ends with the same parameters.
 
     One all-gather per bucket, two in flight: the next bucket's gather runs while the previous one
-    is copied out. Buffers: two padded buckets of the largest size (``comm`` device).
+    is copied out. ``buffers``: the two padded-bucket buffers this uses, kept by the caller
+    between steps (made here, of the largest padded bucket, when missing or too small).
     """
-    buffers: list[torch.Tensor] = []
     previous: tuple[BucketShard, torch.Tensor, object] | None = None
     for i, bs in enumerate(shards):
+        b = bs.bucket
         if len(buffers) < 2:
-            size = max((s.padded for s in shards if s.bucket.dtype == bs.bucket.dtype), default=0)
-            buffers.append(torch.empty(size, dtype=bs.bucket.dtype, device=bs.bucket.device))
+            size = max((s.padded for s in shards if s.bucket.dtype == b.dtype), default=0)
+            buffers.append(torch.empty(size, dtype=b.dtype, device=b.device))
         out = buffers[i % 2]
-        if out.dtype != bs.bucket.dtype or out.numel() < bs.padded:
-            out = buffers[i % 2] = torch.empty(bs.padded, dtype=bs.bucket.dtype,
-                                               device=bs.bucket.device)
-        send = bs.pack({s.slot: s.tensor for s in bs.segments}, bs.bucket.dtype)
+        if out.dtype != b.dtype or out.device != b.device or out.numel() < bs.padded:
+            out = buffers[i % 2] = torch.empty(bs.padded, dtype=b.dtype, device=b.device)
+        send = bs.pack({s.slot: s.tensor for s in bs.segments}, b.dtype)
         work = comm.all_gather(out[:bs.padded], send, async_op=True)
         if previous is not None:
             _copy_out(*previous)

@@ -97,6 +97,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._check_stage2()
         self._shards = [BucketShard(b, self._comm.world_size, self._comm.rank) for b in buckets]
         self._grouped: set[int] = set()
+        self._gather_buffers: list[torch.Tensor] = []
         super().__init__(list(reducer._params) if params is None else params, defaults)
         self.optim = optimizer_class(
             [self._local_group(g) for g in self.param_groups], **defaults)
@@ -179,7 +180,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         attach_grads(self._shards, self.stage)
         self.optim.step()
-        gather_params(self._comm, self._shards)
+        gather_params(self._comm, self._shards, self._gather_buffers)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -209,6 +210,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         return clip_grad_norm(self._comm, self._shards, self.stage, max_norm, float(norm_type),
                               error_if_nonfinite)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, counted from the tensors: ``optimizer_state`` (every tensor
+        in :attr:`optim`'s state), ``gradients`` (``param.grad`` of the reducer's parameters and,
+        stage 2, the kept gradient shards) and ``comm_buffers`` (the reducer's bucket buffers and
+        the two all-gather buffers of :meth:`step`, made by the first step)."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        state = sum(size(v) for st in self.optim.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor))
+        grads = sum(size(p.grad) for p in self.reducer._params)
+        grads += sum(size(bs.grad) for bs in self._shards)
+        comm = sum(size(b.data) for b in self.reducer._backward.buckets)
+        comm += sum(size(t) for t in self._gather_buffers)
+        return {"optimizer_state": state, "gradients": grads, "comm_buffers": comm}
 
     # ------------------------------------------------------------------ checkpoints
     def _params_in_order(self) -> list[nn.Parameter]:
@@ -269,7 +286,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the state (:attr:`optim`'s ``state_dict()`` plus the layout): save
-        one file per rank; load with :meth:`load_sharded_state_dict` at the same world size."""
+        one file per rank; load with :meth:`load_sharded_state_dict` at the same world size.
+        As torch's ``state_dict()``, it holds the live state tensors (save or copy it at once)."""
+        self._sync_hyperparameters()
         return {"world_size": self._comm.world_size, "rank": self._comm.rank,
                 "layout": [bs.numel for bs in self._shards], "optim": self.optim.state_dict()}
 

@@ -5,6 +5,7 @@ raises on every rank. One job per world size runs many cases (see mpi_scripts/sh
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -49,7 +50,9 @@ def _save(rank: int, world_size: int, folder: str) -> None:
                     full = opt.state_dict(to=0)  # type: ignore[attr-defined]
                     saved["full"] = full
                     saved["everywhere"] = opt.state_dict()  # type: ignore[attr-defined]
-                    saved["shard"] = opt.sharded_state_dict()  # type: ignore[attr-defined]
+                    # as torch's, it holds the live state tensors: copy (torch.save would)
+                    saved["shard"] = copy.deepcopy(
+                        opt.sharded_state_dict())  # type: ignore[attr-defined]
                     saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
                     assert (full == {}) == (rank != 0)
 

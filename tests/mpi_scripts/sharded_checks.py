@@ -87,9 +87,8 @@ def train(comm: gradcomm.Communicator, name: str, stage: int | None, steps: int,
         opt.load_state_dict(state)
     if shard_state is not None:
         opt.load_sharded_state_dict(shard_state)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
-    for _ in range(start):
-        sched.step()  # the schedule as it stood at step ``start``
+    # resumed: the schedule goes on from ``start`` (the loaded groups hold lr and initial_lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5, last_epoch=start - 1)
     for step in range(start, start + steps):
         x, y = data(step, comm.rank, comm.world_size)
         if step == 1:
