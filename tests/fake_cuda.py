@@ -164,6 +164,17 @@ class FakeNcclCommunicator:
                   stream: int) -> None:
         self.log.add("allGather", send, recv, count, dtype, stream)
 
+    def reduceScatter(self, send: int, recv: int, count: int, dtype: int, op: int,
+                      stream: int) -> None:
+        self.log.add("reduceScatter", send, recv, count, dtype, op, stream)
+        data = _view(send, count * self.world_size, dtype)[self.rank * count:
+                                                            (self.rank + 1) * count]
+        out = _view(recv, count, dtype)
+        if op in (0, 4):  # every peer holds this rank's data: the sum is world_size times it
+            out[:] = (data * data.dtype.type(self.world_size)).astype(data.dtype)
+            if op == 4:
+                out[:] = (out / out.dtype.type(self.world_size)).astype(out.dtype)
+
     def check_async_error(self) -> None:
         self.log.add("check_async_error")
 

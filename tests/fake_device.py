@@ -245,6 +245,11 @@ class FakeDeviceCommunicator(Communicator):
                     description: DescriptionLike) -> Work:
         return self.inner.all_gather(self._data(output), self._data(input), async_op=True)
 
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                        description: DescriptionLike) -> Work:
+        return self.inner.reduce_scatter(self._data(output), self._data(input), op,
+                                         async_op=True)
+
     def _barrier(self, description: DescriptionLike) -> Work:
         self.inner.barrier()
         return CompletedWork(str(description))

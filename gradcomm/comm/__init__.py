@@ -9,13 +9,14 @@ from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWar
 from .launcher import Launcher, LaunchInfo, detect_launch
 from .registry import BackendStatus, available_backends, register_backend
 from .selection import BackendChoice, init, select_backend
-from .types import ReduceOp, Support, SupportLevel
+from .types import Collective, ReduceOp, Support, SupportLevel
 from .work import Work
 
 __all__ = [
     "Communicator",
     "Work",
     "ReduceOp",
+    "Collective",
     "Support",
     "SupportLevel",
     "CollectiveTimeoutError",

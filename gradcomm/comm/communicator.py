@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from .emulation import average, complex_support, reduce_complex
-from .group import GroupMember
+from .emulation import average, reduce_complex
+from .issue import IssuePath
 from .observer import CollectiveObserver
+from .shard_ops import ShardOps
 from .stalls import StallGuard
+from .support import collective_support
 from .tensors import flat_bytes as flat_bytes  # re-exported: the backends' byte views
 from .tensors import overlap, plain
-from .types import ReduceOp, Support
+from .types import Collective, ReduceOp, Support
 from .validation import (
     TensorChecks,
     check_all_gather,
@@ -43,7 +44,7 @@ from .work import CompletedWork, Description, DescriptionLike, Work, writing_int
 __all__ = ["Communicator", "CollectiveObserver"]
 
 
-class Communicator(GroupMember, abc.ABC):
+class Communicator(ShardOps, IssuePath, abc.ABC):
     """A group of ``world_size`` processes that run collectives on tensors of one device type.
 
     All collectives work in place on the given tensor and preserve its dtype and shape. Each
@@ -104,24 +105,30 @@ class Communicator(GroupMember, abc.ABC):
         MPI on host memory, False here and so for gloo (a handoff to the transport's thread)."""
         return False
 
-    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Support:
-        """Say how this backend reduces tensors of ``dtype`` on ``device`` (default: its device).
+    def supports(self, dtype: torch.dtype, device: torch.device | str | None = None,
+                 collective: Collective | str = Collective.ALL_REDUCE) -> Support:
+        """Say how this backend runs ``collective`` on tensors of ``dtype`` on ``device``.
 
-        Complex dtypes get the answer for their real dtype (complex64: float32), with a reason
-        saying so: :meth:`all_reduce` reduces them (SUM and AVG only) as their real view.
+        ``device`` defaults to the communicator's; ``collective`` (a :class:`Collective` or its
+        name, e.g. ``"reduce_scatter"``) to all_reduce. Reductions answer per dtype; collectives
+        that move data (broadcast, all_gather, all_to_all, gather, scatter) take any dtype as
+        bytes. Where a backend lacks an op natively the answer is EMULATED_SLOW and says how.
+        Complex dtypes get all_reduce's answer for their real dtype (complex64: float32), with a
+        reason saying so; the other reductions do not take them.
 
         Raises:
             TypeError: ``dtype`` is not a :class:`torch.dtype` (e.g. the string ``"float32"``),
-                or ``device`` is not None, a str or a :class:`torch.device`.
-            ValueError: ``device`` is a string torch does not know.
+                ``device`` is not None, a str or a :class:`torch.device`, or ``collective``
+                neither a Collective nor a str.
+            ValueError: ``device`` is a string torch does not know, or ``collective`` a name of
+                no collective.
             RuntimeError: the communicator is closed (its transport may be gone).
         """
         dev = check_supports_args(dtype, device)
+        coll = Collective.coerce(collective)
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
-        if dtype.is_complex:
-            return complex_support(dtype, dev, self._supports)
-        return self._supports(dtype, dev)
+        return collective_support(coll, dtype, dev, self)
 
     @abc.abstractmethod
     def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
@@ -308,37 +315,3 @@ class Communicator(GroupMember, abc.ABC):
     @abc.abstractmethod
     def _close(self) -> None:
         """Release the transport (called once)."""
-
-    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
-        """Raise on a tensor this communicator cannot take (:meth:`TensorChecks.check`); return
-        its description tail. A backend with more conditions (one CUDA device) extends it."""
-        return self._checks.check(tensor, opname, reduction=reduction)
-
-    # ------------------------------------------------------------------ the one path
-    def _check_open(self) -> None:  # closed, or a timed-out collective still pending
-        if self._closed:
-            raise RuntimeError(f"{self.backend} communicator is closed")
-        if self._stalls.stalled is not None:
-            self._stalls.check()
-
-    def _issue(self, opname: str, hook: Callable[..., Work], args: tuple[object, ...],
-               description: DescriptionLike, target: torch.Tensor | None,
-               buf: torch.Tensor | None, label: str | None, async_op: bool) -> Work:
-        """Start ``hook(*args, description)`` on ``buf``, profiled; copy back into ``target``."""
-        profiler = self.profiler
-        done = (None if profiler is None
-                else profiler.collective_started(opname, buf, label, async_op))
-        work = hook(*args, description)
-        if done is not None:
-            work.add_callback(done)
-        if buf is not target and buf is not None and target is not None:
-            dst, src = target, buf
-            work.add_callback(lambda: dst.copy_(src))
-        return self._complete(work, async_op, target)
-
-    def _complete(self, work: Work, async_op: bool, target: torch.Tensor | None) -> Work:
-        """Bind ``work`` to ``target`` and the stall guard (see Work.bind); wait unless async."""
-        work.bind(target, self._stall_note)
-        if not async_op:
-            work.wait()
-        return work

@@ -2,6 +2,8 @@
 
 * ``ReduceOp.AVG`` as SUM, then divide (:func:`average`), for backends whose
   ``native_reduce_ops`` lack it.
+* ``ReduceOp.AVG`` of the collectives that write their result into another tensor
+  (``reduce_scatter``) or into one rank's (``reduce``) in the same way (:func:`average_into`).
 * SUM and AVG of complex tensors as the same op on their real view (:func:`reduce_complex`), as
   torch.distributed does for backends without complex support. No transport here reduces complex
   numbers, and MIN, MAX and PRODUCT are not element-wise on that view.
@@ -18,7 +20,7 @@ import torch
 from .types import ReduceOp, Support
 from .work import DescriptionLike, Work, writing_into
 
-__all__ = ["average", "complex_support", "reduce_complex"]
+__all__ = ["average", "average_into", "complex_support", "reduce_complex"]
 
 #: A backend's all-reduce hook: ``(contiguous tensor, native op, description) -> Work``.
 AllReduceHook = Callable[[torch.Tensor, ReduceOp, DescriptionLike], Work]
@@ -42,6 +44,32 @@ def average(
     else:
         work = all_reduce(buf, ReduceOp.SUM, description)
         work.add_callback(lambda: buf.div_(world_size))
+    return work
+
+
+def average_into(
+    start: Callable[[torch.Tensor, torch.Tensor, ReduceOp], Work],
+    world_size: int,
+    output: torch.Tensor,
+    input: torch.Tensor,
+) -> Work:
+    """Start AVG as ``start(output, input, ReduceOp.SUM)`` then divide ``output`` by ``world_size``.
+
+    ``start`` is a reduction hook with its other arguments bound (the description, a root).
+    16-bit floats are summed in float32 copies and rounded once, as in :func:`average`. The
+    division runs on every rank; for ``reduce`` only the root's ``output`` holds a defined value.
+    """
+    if output.dtype in (torch.float16, torch.bfloat16):
+        if input is output:  # in place (reduce): one float32 copy is both
+            wide_out = wide_in = output.to(torch.float32)
+        else:
+            wide_out = torch.empty_like(output, dtype=torch.float32)
+            wide_in = input.to(torch.float32)
+        work = start(wide_out, wide_in, ReduceOp.SUM)
+        work.add_callback(lambda: output.copy_(wide_out.div_(world_size)))
+    else:
+        work = start(output, input, ReduceOp.SUM)
+        work.add_callback(lambda: output.div_(world_size))
     return work
 
 

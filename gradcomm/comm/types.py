@@ -9,10 +9,27 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-__all__ = ["ReduceOp", "SupportLevel", "Support"]
+__all__ = ["ReduceOp", "Collective", "SupportLevel", "Support"]
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _coerce(cls: type[_E], value: object, what: str, must: str) -> _E:
+    """``value`` as a member of ``cls``: the member itself or its case-insensitive value."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown {what} {value!r}; known: {known}") from None
+    raise TypeError(f"{must} or str, got {type(value).__name__}")
 
 
 class ReduceOp(enum.Enum):
@@ -38,15 +55,35 @@ class ReduceOp(enum.Enum):
             ValueError: ``op`` is a string that names no operation.
             TypeError: ``op`` is neither a :class:`ReduceOp` nor a string.
         """
-        if isinstance(op, cls):
-            return op
-        if isinstance(op, str):
-            try:
-                return cls(op.strip().lower())
-            except ValueError:
-                known = ", ".join(m.value for m in cls)
-                raise ValueError(f"unknown reduction op {op!r}; known: {known}") from None
-        raise TypeError(f"op must be a gradcomm.ReduceOp or str, got {type(op).__name__}")
+        return _coerce(cls, op, "reduction op", "op must be a gradcomm.ReduceOp")
+
+
+class Collective(enum.Enum):
+    """A collective operation, as named by :meth:`Communicator.supports`'s ``collective``."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    REDUCE = "reduce"
+    BROADCAST = "broadcast"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    GATHER = "gather"
+    SCATTER = "scatter"
+
+    @property
+    def reduces(self) -> bool:
+        """True for the collectives that combine values (their dtypes need a reduction)."""
+        return self in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE)
+
+    @classmethod
+    def coerce(cls, name: Collective | str) -> Collective:
+        """Return ``name`` as a :class:`Collective`; accepts the enum or its name.
+
+        Raises:
+            ValueError: a string that names no collective.
+            TypeError: neither a :class:`Collective` nor a string.
+        """
+        return _coerce(cls, name, "collective", "collective must be a gradcomm.comm.Collective")
 
 
 class SupportLevel(enum.Enum):

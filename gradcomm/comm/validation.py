@@ -23,6 +23,10 @@ __all__ = [
     "check_avg",
     "check_src",
     "check_all_gather",
+    "check_same_dtype",
+    "check_reduce_scatter",
+    "check_rank_arg",
+    "check_splits",
 ]
 
 #: The verdict on one (dtype, device): the error class to raise for it (None: none), the reason,
@@ -104,6 +108,64 @@ def check_all_gather(output: torch.Tensor, input: torch.Tensor, world_size: int)
             f"all_gather output must hold world_size * input.numel() = "
             f"{world_size} * {input.numel()} elements, got {output.numel()}"
         )
+
+
+def check_same_dtype(opname: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    """TypeError if ``output`` and ``input`` differ in dtype."""
+    if output.dtype != input.dtype:
+        raise TypeError(f"{opname} output dtype {output.dtype} != input dtype {input.dtype}")
+
+
+def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, world_size: int) -> None:
+    """TypeError if the dtypes differ; ValueError unless ``input`` holds ``world_size`` outputs."""
+    check_same_dtype("reduce_scatter", output, input)
+    if input.numel() != world_size * output.numel():
+        raise ValueError(
+            f"reduce_scatter input must hold world_size * output.numel() = "
+            f"{world_size} * {output.numel()} elements, got {input.numel()}"
+        )
+
+
+def check_rank_arg(name: str, value: object, world_size: int) -> int:
+    """TypeError unless ``value`` is an int (not a bool); ValueError unless it is a rank."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int rank, got {type(value).__name__}")
+    if not 0 <= value < world_size:
+        raise ValueError(f"{name} must be in [0, {world_size}), got {value}")
+    return value
+
+
+def check_splits(opname: str, name: str, splits: object, tensor: torch.Tensor,
+                 world_size: int) -> list[int]:
+    """The rows (dim 0 slices) of ``tensor`` per rank: ``splits`` checked, or equal splits.
+
+    Raises:
+        TypeError: ``splits`` is not None or a sequence of ints.
+        ValueError: ``tensor`` is 0-d; ``splits`` has not ``world_size`` entries, has a negative
+            one, or does not sum to ``tensor.shape[0]``; with ``splits`` None, ``tensor.shape[0]``
+            is not a multiple of ``world_size``.
+    """
+    if tensor.dim() == 0:
+        raise ValueError(f"{opname}: {name} needs a tensor with a first dimension, got 0-d")
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % world_size:
+            raise ValueError(f"{opname}: {name} is None, so dim 0 ({rows}) must divide into "
+                             f"world_size={world_size} equal parts")
+        return [rows // world_size] * world_size
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    if not isinstance(splits, (list, tuple)) or any(
+        isinstance(n, bool) or not isinstance(n, int) for n in splits
+    ):
+        raise TypeError(f"{opname}: {name} must be None or a sequence of ints")
+    if len(splits) != world_size:
+        raise ValueError(f"{opname}: {name} needs world_size={world_size} entries, got "
+                         f"{len(splits)}")
+    if min(splits) < 0 or sum(splits) != rows:
+        raise ValueError(f"{opname}: {name} {list(splits)} must be >= 0 and sum to dim 0 of "
+                         f"its tensor ({rows})")
+    return list(splits)
 
 
 class TensorChecks:

@@ -327,6 +327,16 @@ class CupyNCCLCommunicator(Communicator):
             description,
         )
 
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                        description: DescriptionLike) -> Work:
+        send, recv, count = input.data_ptr(), output.data_ptr(), output.numel()
+        dtype, nccl_op = self._dtypes[output.dtype], self._ops[op]
+        return self._launch(
+            (input, output),
+            lambda comm, s: comm.reduceScatter(send, recv, count, dtype, nccl_op, s),
+            description,
+        )
+
     def _barrier(self, description: DescriptionLike) -> Work:
         # An all-reduce of one element (record_stream keeps it alive until the side stream is done)
         return self._all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, description)

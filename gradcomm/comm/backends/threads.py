@@ -185,6 +185,21 @@ class ThreadCommunicator(Communicator):
 
         return self._submit(run, description)
 
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                        description: DescriptionLike) -> Work:
+        reduce, n = _REDUCERS[op], output.numel()
+
+        def run() -> None:
+            parts = self.group._exchange(self.rank, input.clone())
+            mine = [p[self.rank * n:(self.rank + 1) * n] for p in parts]
+            acc = mine[0].clone()
+            for part in mine[1:]:
+                acc = reduce(acc, part)
+            with writing_into(output):
+                output.copy_(acc)
+
+        return self._submit(run, description)
+
     def _barrier(self, description: DescriptionLike) -> Work:
         def run() -> None:
             self.group._exchange(self.rank, torch.zeros(0))

@@ -44,6 +44,13 @@ def _reduce_options(op: ReduceOp) -> dist.AllreduceOptions:
     return opts
 
 
+@functools.cache
+def _reduce_scatter_options(op: ReduceOp) -> dist.ReduceScatterOptions:
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp(_TORCH_OPS[op])
+    return opts
+
+
 @functools.lru_cache(maxsize=8)
 def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
@@ -184,6 +191,13 @@ class TorchDistCommunicator(Communicator):
     ) -> Work:
         chunks = list(flat_bytes(output).chunk(self.world_size))
         return self._wrap(self._pg().allgather([chunks], [flat_bytes(input)]), description)
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                        description: DescriptionLike) -> Work:
+        # The group's list form: chunk r of input (a view, no copy) is reduced into rank r.
+        chunks = list(input.chunk(self.world_size))
+        work = self._pg().reduce_scatter([output], [chunks], _reduce_scatter_options(op))
+        return self._wrap(work, description)
 
     def _barrier(self, description: DescriptionLike) -> Work:
         # An all-reduce of one element: the same on every process group type.

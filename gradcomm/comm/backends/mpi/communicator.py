@@ -75,6 +75,7 @@ from ...work import DescriptionLike, Work
 from .dtypes import HALF, MPI_BUFFER, SUM_FAST, mpi_op, predefined_datatype
 from .ops16 import half_op, uses_user_op
 from .scratch import ScratchPool
+from .shard import MPIShardOps
 from .support import classify
 from .work import MPIWork
 
@@ -86,7 +87,7 @@ __all__ = ["MPICommunicator"]
 logger = logging.getLogger("gradcomm.comm.mpi")
 
 
-class MPICommunicator(Communicator):
+class MPICommunicator(MPIShardOps, Communicator):
     """Collectives through mpi4py on a private duplicate of ``MPI.COMM_WORLD``.
 
     Args:

@@ -1,0 +1,87 @@
+"""The one path every public collective takes from checked arguments to a backend hook.
+
+:class:`IssuePath` is the base of :class:`~gradcomm.comm.Communicator` and of its collective
+mixins (:mod:`~gradcomm.comm.shard_ops`, :mod:`~gradcomm.comm.rooted_ops`,
+:mod:`~gradcomm.comm.object_ops`): a collective checks its arguments on every rank
+(:mod:`~gradcomm.comm.validation`), then calls :meth:`IssuePath._issue`, which tells the
+profiler, starts the hook, copies a contiguous stand-in back into the caller's tensor on
+completion, binds the :class:`~gradcomm.comm.Work` to the stall guard
+(:mod:`~gradcomm.comm.stalls`) and waits unless ``async_op``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from .group import GroupMember
+from .observer import CollectiveObserver
+from .stalls import StallGuard
+from .types import Collective, ReduceOp, Support
+from .validation import TensorChecks
+from .work import DescriptionLike, Work
+
+__all__ = ["IssuePath"]
+
+
+class IssuePath(GroupMember):
+    """Checks of state and tensors, and the issue of one collective (see the module docstring).
+
+    The attributes are set by :class:`~gradcomm.comm.Communicator`'s constructor.
+    """
+
+    backend: ClassVar[str] = "abstract"
+    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
+    profiler: CollectiveObserver | None
+    _closed: bool
+    _seq: itertools.count[int]
+    _stalls: StallGuard
+    _stall_note: Callable[[Work], None]
+    _checks: TensorChecks
+
+    def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
+        """The backend's answer for ``supports`` (``dtype`` is a torch.dtype)."""
+        raise NotImplementedError  # pragma: no cover - Communicator declares it abstract
+
+    def _supports_collective(self, collective: Collective, dtype: torch.dtype,
+                             device: torch.device | None, base: Support) -> Support:
+        """The backend's answer for ``supports(dtype, device, collective)``, given ``base`` (the
+        dtype's reduction answer for reductions, NATIVE for data movement on the right device
+        type). This default returns ``base``; a backend that emulates an op says so here."""
+        return base
+
+    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
+        """Raise on a tensor this communicator cannot take (:meth:`TensorChecks.check`); return
+        its description tail. A backend with more conditions (one CUDA device) extends it."""
+        return self._checks.check(tensor, opname, reduction=reduction)
+
+    def _check_open(self) -> None:  # closed, or a timed-out collective still pending
+        if self._closed:
+            raise RuntimeError(f"{self.backend} communicator is closed")
+        if self._stalls.stalled is not None:
+            self._stalls.check()
+
+    def _issue(self, opname: str, hook: Callable[..., Work], args: tuple[object, ...],
+               description: DescriptionLike, target: torch.Tensor | None,
+               buf: torch.Tensor | None, label: str | None, async_op: bool) -> Work:
+        """Start ``hook(*args, description)`` on ``buf``, profiled; copy back into ``target``."""
+        profiler = self.profiler
+        done = (None if profiler is None
+                else profiler.collective_started(opname, buf, label, async_op))
+        work = hook(*args, description)
+        if done is not None:
+            work.add_callback(done)
+        if buf is not target and buf is not None and target is not None:
+            dst, src = target, buf
+            work.add_callback(lambda: dst.copy_(src))
+        return self._complete(work, async_op, target)
+
+    def _complete(self, work: Work, async_op: bool, target: torch.Tensor | None) -> Work:
+        """Bind ``work`` to ``target`` and the stall guard (see Work.bind); wait unless async."""
+        work.bind(target, self._stall_note)
+        if not async_op:
+            work.wait()
+        return work

@@ -1,0 +1,85 @@
+"""The GPU paths of reduce_scatter, all_to_all and the rooted collectives, run on the CPU.
+
+Fake CUDA, CuPy and NCCL (tests/fake_cuda.py) record what the cupy-nccl backend calls; a
+fake-device communicator (tests/fake_device.py) over the thread backend runs the base class's
+checks and copies on tensors that are not on the CPU, as a CUDA communicator does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fake_cuda import install, install_cupy
+from fake_device import FakeDeviceCommunicator, FakeDeviceTensor, fake_device, to_cpu, to_fake
+
+from gradcomm import ReduceOp
+from gradcomm.comm import Launcher, LaunchInfo
+from gradcomm.comm.backends import cupy_nccl
+from gradcomm.comm.backends.threads import ThreadGroup
+
+
+def _cuda(t: torch.Tensor) -> FakeDeviceTensor:
+    return FakeDeviceTensor(t.clone(), "cuda:0")
+
+
+@pytest.fixture
+def cupy_comm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    fake = install(monkeypatch)
+    nccl_mod = install_cupy(monkeypatch, fake.log)
+    monkeypatch.setattr(cupy_nccl, "create_store", lambda *a: dist.HashStore())
+    comm = cupy_nccl.CupyNCCLCommunicator(LaunchInfo(0, 2, 0, 1, Launcher.EXPLICIT), timeout=5.0)
+    fake.log.calls.clear()
+    yield comm, fake, nccl_mod
+    comm.close()
+
+
+def test_cupy_nccl_reduce_scatter_runs_on_the_side_stream_and_records_both_buffers(
+    cupy_comm: Any,
+) -> None:
+    comm, fake, _ = cupy_comm
+    [side] = fake.side_streams
+    src, out = _cuda(torch.arange(6.0)), _cuda(torch.zeros(3))
+    work = comm.reduce_scatter(out, src, async_op=True)
+    calls = fake.log.calls
+    assert calls[0] == ("wait_stream", "side0", "current")
+    assert calls[1] == ("reduceScatter", src.data_ptr(), out.data_ptr(), 3, 7, 0,
+                        side.cuda_stream)
+    assert [c[1] for c in calls if c[0] == "record_stream"] == [src.data_ptr(), out.data_ptr()]
+    work.wait()
+    assert torch.equal(out._data, torch.arange(3.0) * 2)  # both fake peers hold rank 0's data
+
+
+def test_cupy_nccl_reduce_scatter_avg_before_nccl_2_10_sums_16_bit_in_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = install(monkeypatch)
+    install_cupy(monkeypatch, fake.log, nccl_version=2905)  # no ncclAvg
+    monkeypatch.setattr(cupy_nccl, "create_store", lambda *a: dist.HashStore())
+    launch = LaunchInfo(0, 2, 0, 1, Launcher.EXPLICIT)
+    with cupy_nccl.CupyNCCLCommunicator(launch, timeout=5.0) as comm:
+        src = _cuda(torch.tensor([40000.0, 1.0, -3.0, 5.0], dtype=torch.float16))
+        out = _cuda(torch.zeros(2, dtype=torch.float16))
+        comm.reduce_scatter(out, src, ReduceOp.AVG)  # 80000 would be inf in float16
+        assert torch.equal(out._data, torch.tensor([40000.0, 1.0], dtype=torch.float16))
+        [call] = [c for c in fake.log.calls if c[0] == "reduceScatter"]
+        assert call[4:6] == (7, 0)  # float32 SUM
+
+
+def _on_fake_device(comm: Any) -> list[float]:
+    with fake_device():
+        dev = FakeDeviceCommunicator(comm)
+        with pytest.raises(ValueError, match="tensor is on cpu"):
+            dev.reduce_scatter(to_fake(torch.zeros(2)), torch.zeros(2 * comm.world_size))
+        src = to_fake(torch.arange(4.0 * comm.world_size).reshape(-1, 2) + comm.rank)
+        out = to_fake(torch.zeros(2, 2)).t()  # non-contiguous: copied back
+        dev.reduce_scatter(out, src, "avg")
+        return to_cpu(out).tolist()
+
+
+def test_reduce_scatter_on_a_device_communicator_takes_the_base_class_path() -> None:
+    got = ThreadGroup(2).run(_on_fake_device)
+    # rows r*2..r*2+1 of arange(8).reshape(4, 2), averaged over ranks (+0 and +1): + 0.5
+    assert got == [[[0.5, 1.5], [2.5, 3.5]], [[4.5, 5.5], [6.5, 7.5]]]
