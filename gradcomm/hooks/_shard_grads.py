@@ -20,7 +20,7 @@ from ..comm.types import ReduceOp
 from ..comm.work import Work
 from ._buckets import Bucket
 from ._shard_layout import BucketShard, flat_of
-from .comm_hooks import GradBucket, _then, warn_if_slow
+from .comm_hooks import GradBucket, warn_if_slow
 
 __all__ = ["ReduceScatterGrads", "reduce_scatter_hook", "attach_grads", "clip_grad_norm"]
 
@@ -47,7 +47,8 @@ class ReduceScatterGrads:
             bs.grad = out = torch.empty(bs.chunk, dtype=b.dtype, device=b.device)
         bs.pending = (out, accumulate)
         warn_if_slow(self.comm, b.dtype, b.device)
-        return _reduce_scatter(self.comm, out, inp)
+        return self.comm.reduce_scatter(out, inp, ReduceOp.SUM, async_op=True,
+                                        label=bucket.label())
 
     def sink(self, b: Bucket, flags: list[float]) -> None:
         """Average the reduced shard (and add it to the kept one), note which parameters have a
@@ -64,27 +65,6 @@ class ReduceScatterGrads:
         for slot, p in enumerate(b.params):
             bs.present[slot] = bs.present[slot] or flags[slot] > 0
             p.grad = None
-
-
-def _reduce_scatter(comm: Communicator, out: torch.Tensor, inp: torch.Tensor) -> Work:
-    """Reduce-scatter (SUM) ``inp`` (``world_size * out.numel()`` elements) into ``out``.
-
-    TEMPORARY fallback until ``Communicator.reduce_scatter`` lands (switch to it then): an
-    all-reduce of ``inp`` in place, then this rank's part copied out -- the same values, twice the
-    traffic of a reduce-scatter.
-    """
-    reduce_scatter = getattr(comm, "reduce_scatter", None)
-    if reduce_scatter is not None:
-        work: Work = reduce_scatter(out, inp, ReduceOp.SUM, async_op=True)
-        return work
-    n = out.numel()
-    lo = comm.rank * n
-    work = comm.all_reduce(inp, ReduceOp.SUM, async_op=True)
-
-    def keep_own() -> None:
-        out.copy_(inp[lo:lo + n])
-
-    return _then(work, keep_own)
 
 
 def reduce_scatter_hook(state: ReduceScatterGrads, bucket: GradBucket) -> Work:
