@@ -117,3 +117,59 @@ def test_digits_example_trains_sharded(backend: str, zero: str) -> None:
     final = re.findall(r"final held-out accuracy: ([0-9.]+)", proc.stdout)
     assert len(final) == 1 and float(final[0]) >= 0.95, proc.stdout
     assert "parameters identical on all 2 ranks" in proc.stdout, proc.stdout
+
+
+# ----------------------------------------------------------------------------- thread ranks (fast)
+def _thread_group(n: int) -> object:
+    from gradcomm.comm.backends.threads import ThreadGroup
+
+    return ThreadGroup(n, timeout=60)
+
+
+@pytest.mark.slow  # the full case list: about a minute on 2 busy cores
+def test_sharded_equals_unsharded_on_thread_ranks() -> None:
+    out = _thread_group(3).run(  # type: ignore[attr-defined]
+        lambda comm: sc.value_cases(comm) + sc.bad_input_cases(comm))
+    assert all(len(o) == 13 for o in out), out
+
+
+def test_full_state_reshards_from_three_thread_ranks_to_two() -> None:
+    saved: dict[int, object] = {}
+
+    def first(comm: gradcomm.Communicator) -> torch.Tensor:
+        def keep(opt: object, model: torch.nn.Module, step: int) -> None:
+            if step == STEPS - 1:
+                sd = opt.state_dict(to=1)  # type: ignore[attr-defined]
+                assert (sd == {}) == (comm.rank != 1)
+                if comm.rank == 1:
+                    saved[0] = copy.deepcopy((sd, model.state_dict()))
+
+        model, _ = sc.train(comm, "adam", 2, STEPS + MORE, after=keep)
+        return sc.params_of(model)
+
+    want = _thread_group(3).run(first)[0]  # type: ignore[attr-defined]
+    sd, model_state = saved[0]  # type: ignore[misc]
+
+    def resumed(comm: gradcomm.Communicator) -> torch.Tensor:
+        model, _ = sc.train(comm, "adam", 1, MORE, start=STEPS, state=sd, model_state=model_state)
+        return sc.params_of(model)
+
+    for got in _thread_group(2).run(resumed):  # type: ignore[attr-defined]
+        sc.check_close("resumed at 2 thread ranks", got, want, 1e-5)
+
+
+def test_sharded_state_refuses_another_world_size() -> None:
+    saved: list[object] = []
+
+    def first(comm: gradcomm.Communicator) -> None:
+        _, opt = sc.train(comm, "sgd", 1, 1)
+        if comm.rank == 0:
+            saved.append(opt.sharded_state_dict())
+
+    _thread_group(2).run(first)  # type: ignore[attr-defined]
+
+    def load(comm: gradcomm.Communicator) -> str:
+        return sc.expect_error(lambda: sc.train(comm, "sgd", 1, 1, shard_state=saved[0]),
+                               ValueError, "world_size")
+
+    assert _thread_group(3).run(load) == ["ValueError:world_size"] * 3  # type: ignore[attr-defined]
