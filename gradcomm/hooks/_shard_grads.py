@@ -41,10 +41,14 @@ class ReduceScatterGrads:
             bs.unpack(inp, 0).copy_(bucket.buffer().view(b.params[0].shape))
         else:
             inp = b.data  # padded by the ShardedOptimizer (SharedBucket.pad_to)
-        accumulate = bs.grad is not None
-        out = torch.empty(bs.chunk, dtype=b.dtype, device=b.device) if accumulate else None
-        if out is None:
-            bs.grad = out = torch.empty(bs.chunk, dtype=b.dtype, device=b.device)
+        # A pass that failed (its sink never ran) leaves ``filled`` False: overwritten, not added.
+        accumulate = bs.filled and bs.grad is not None
+        if accumulate or bs.grad is None:
+            out = torch.empty(bs.chunk, dtype=b.dtype, device=b.device)
+        else:
+            out = bs.grad
+        if bs.grad is None:
+            bs.grad = out
         bs.pending = (out, accumulate)
         warn_if_slow(self.comm, b.dtype, b.device)
         return self.comm.reduce_scatter(out, inp, ReduceOp.SUM, async_op=True,
@@ -62,6 +66,7 @@ class ReduceScatterGrads:
                 out.div_(b.post)
             if accumulate:
                 bs.grad.add_(out)
+        bs.filled = True
         for slot, p in enumerate(b.params):
             bs.present[slot] = bs.present[slot] or flags[slot] > 0
             p.grad = None
@@ -85,7 +90,7 @@ def attach_grads(shards: list[BucketShard], stage: int) -> None:
             if stage == 1:
                 g = s.param.grad
                 s.tensor.grad = None if g is None else flat_of(g, s.param)[s.lo:s.hi]
-            elif bs.grad is not None and bs.present[s.slot]:
+            elif bs.grad is not None and bs.filled and bs.present[s.slot]:
                 s.tensor.grad = bs.grad[s.start:s.start + s.hi - s.lo]
             else:
                 s.tensor.grad = None

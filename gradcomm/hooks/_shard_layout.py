@@ -69,6 +69,7 @@ class BucketShard:
     offsets: list[int] = field(default_factory=list)  # each parameter's start in the bucket
     segments: list[Segment] = field(default_factory=list)
     grad: torch.Tensor | None = None  # stage 2: averaged gradients of the shard (chunk elements)
+    filled: bool = False  # stage 2: ``grad`` holds a synchronised backward's gradients
     present: list[bool] = field(default_factory=list)  # stage 2: a parameter has a gradient
     pending: tuple[torch.Tensor, bool] | None = None  # stage 2: (output, accumulate) in flight
 

@@ -49,7 +49,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Args:
         reducer: the :class:`~gradcomm.hooks.GradientReducer` of the model; its buckets are the
             flat buffers that are sharded (rank ``r`` owns the ``r``-th of ``world_size`` equal
-            parts of each, see :mod:`gradcomm.hooks._shard_layout`).
+            parts of each; the guide: docs/sharded.md).
         optimizer_class: an element-wise ``torch.optim.Optimizer`` subclass (SGD, Adam, AdamW,
             RMSprop, Adagrad, ...); it steps this rank's shards and is :attr:`optim`.
         stage: 1 -- the reducer all-reduces as usual and ``param.grad`` holds the full averaged
@@ -191,7 +191,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for bs in self._shards:
             if bs.grad is not None:
                 if set_to_none:
-                    bs.grad = None
+                    bs.grad, bs.filled = None, False
                     bs.present = [False] * len(bs.present)
                 else:
                     bs.grad.zero_()
@@ -201,9 +201,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clip the averaged gradients by their global norm, computed from every rank's shards
         with one one-element all-reduce; returns the norm (0-d float32, the same on every rank).
 
-        Same rule as ``torch.nn.utils.clip_grad_norm_`` (see
-        :func:`gradcomm.hooks._shard_grads.clip_grad_norm`). Call it on every rank after
-        backward and before :meth:`step`.
+        Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm +
+        1e-6)``, applied when below 1); the norm is summed from the shards in float64. Stage 1
+        scales every ``param.grad``, stage 2 the kept gradient shards. Call it on every rank
+        after backward and before :meth:`step`.
 
         Raises:
             RuntimeError: the norm is not finite and ``error_if_nonfinite`` is True (every rank).

@@ -31,6 +31,7 @@ def _values(rank: int, world_size: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_sharded_equals_unsharded_gloo(n: int) -> None:
     out = run_processes(_values, n, timeout=240)
@@ -92,6 +93,7 @@ def _load(rank: int, world_size: int, folder: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(540)  # two jobs, each under run_processes' own 240 s limit
 def test_checkpoint_saved_at_two_ranks_resumes_at_three_gloo(tmp_path: Path) -> None:
     run_processes(_save, 2, str(tmp_path), timeout=240)
     errs = run_processes(_load, 3, str(tmp_path), timeout=240)
@@ -100,6 +102,7 @@ def test_checkpoint_saved_at_two_ranks_resumes_at_three_gloo(tmp_path: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@pytest.mark.timeout(330)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_sharded_equals_unsharded_mpi(n: int) -> None:
     proc = run_mpi(TESTS_DIR / "mpi_scripts" / "sharded_values.py", n, timeout=300,
@@ -110,6 +113,7 @@ def test_sharded_equals_unsharded_mpi(n: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@pytest.mark.timeout(270)
 @pytest.mark.parametrize(("backend", "zero"), [("mpi", "1"), ("gloo", "2")])
 def test_digits_example_trains_sharded(backend: str, zero: str) -> None:
     proc = run_mpi(REPO_ROOT / "examples" / "train_digits.py", 2, ["--zero", zero], timeout=240,
@@ -127,6 +131,7 @@ def _thread_group(n: int) -> object:
 
 
 @pytest.mark.slow  # the full case list: about a minute on 2 busy cores
+@pytest.mark.timeout(300)
 def test_sharded_equals_unsharded_on_thread_ranks() -> None:
     out = _thread_group(3).run(  # type: ignore[attr-defined]
         lambda comm: sc.value_cases(comm) + sc.bad_input_cases(comm))
