@@ -24,6 +24,7 @@ BASELINES = (
     ("step_breakdown.json", "Where a step's time goes"),
     ("call_overhead.json", "Per-call overhead, call by call"),
     ("allreduce.json", "All-reduce sweep"),
+    ("sharded_memory.json", "Sharded data parallel memory"),
 )
 PLOT = "allreduce_busbw.png"
 

@@ -168,8 +168,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                            **json.loads(path.read_text())}
                     print(json.dumps(row), flush=True)
                     results.append(row)
-    meta.update({"steps": args.steps, "warmup": args.warmup, "model": "12 x Linear(2048, 2048)",
-                 "optimizer": "AdamW", "loadavg_end": list(os.getloadavg())})
+    meta.update({"world_size": " and ".join(map(str, args.world_sizes)), "steps": args.steps,
+                 "warmup": args.warmup, "model": "12 x Linear(2048, 2048)", "optimizer": "AdamW",
+                 "loadavg_end": list(os.getloadavg())})
     return {"meta": meta, "sharded": results}
 
 
