@@ -24,6 +24,7 @@ BASELINES = (
     ("step_breakdown.json", "Where a step's time goes"),
     ("call_overhead.json", "Per-call overhead, call by call"),
     ("allreduce.json", "All-reduce sweep"),
+    ("collectives.json", "Sweep of the other collectives"),
     ("sharded_memory.json", "Sharded data parallel memory"),
 )
 PLOT = "allreduce_busbw.png"
@@ -99,10 +100,13 @@ def step_time_tables(doc: dict[str, Any]) -> list[str]:
 def sweep_tables(doc: dict[str, Any]) -> list[str]:
     meta = doc["meta"]
     lines = [*provenance(meta), f"{meta['dtype']} {meta['op']}; time = {meta['time']}.", ""]
-    for backend in dict.fromkeys(r["backend"] for r in doc["rows"]):
-        rows = [r for r in doc["rows"] if r["backend"] == backend]
+    for backend, coll in dict.fromkeys((r["backend"], r.get("collective", "all_reduce"))
+                                       for r in doc["rows"]):
+        rows = [r for r in doc["rows"]
+                if (r["backend"], r.get("collective", "all_reduce")) == (backend, coll)]
+        name = backend if coll == "all_reduce" else f"{backend} {coll}"
         lines += [
-            f"| size (B) | count | {backend} time (us) | algbw (GB/s) | busbw (GB/s) | "
+            f"| size (B) | count | {name} time (us) | algbw (GB/s) | busbw (GB/s) | "
             f"raw {rows[0]['transport']} time (us) | raw busbw (GB/s) | overhead (us) | "
             "ratio |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -114,7 +118,7 @@ def sweep_tables(doc: dict[str, Any]) -> list[str]:
                 f"{_f(r['overhead_us'], 1)} | {_f(r['overhead_ratio'], 3)} |"
             )
         lines.append("")
-        lines += _overhead_targets(backend, rows)
+        lines += _overhead_targets(name, rows)
     return lines
 
 

@@ -16,8 +16,9 @@ def bus_factor(op: str, world_size: int) -> float:
     """The factor nccl-tests multiplies algbw by to get busbw (``doc/PERFORMANCE.md``).
 
     Args:
-        op: ``"all_reduce"`` (``2(n-1)/n``), ``"all_gather"`` (``(n-1)/n``), ``"broadcast"``
-            (``1``) or ``"barrier"`` (``0``: it moves no payload).
+        op: ``"all_reduce"`` (``2(n-1)/n``); ``"all_gather"``, ``"reduce_scatter"``,
+            ``"all_to_all"``, ``"gather"``, ``"scatter"`` (``(n-1)/n``); ``"broadcast"``,
+            ``"reduce"`` (``1``); or ``"barrier"`` (``0``: it moves no payload).
         world_size: ``n``, the number of ranks (>= 1).
 
     Raises:
@@ -28,14 +29,15 @@ def bus_factor(op: str, world_size: int) -> float:
     n = world_size
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op == "all_gather":
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
-    if op == "broadcast":
+    if op in ("broadcast", "reduce"):
         return 1.0
     if op == "barrier":
         return 0.0
     raise ValueError(
-        f"unknown collective {op!r}; known: all_reduce, all_gather, broadcast, barrier"
+        f"unknown collective {op!r}; known: all_reduce, all_gather, reduce_scatter, all_to_all, "
+        "gather, scatter, broadcast, reduce, barrier"
     )
 
 
@@ -49,7 +51,8 @@ class OpRecord:
 
     Attributes:
         op: ``"all_reduce"``, ``"broadcast"``, ``"all_gather"`` or ``"barrier"``.
-        bytes: size ``S`` in bytes as nccl-tests counts it (all_gather: the whole output).
+        bytes: size ``S`` in bytes as nccl-tests counts it (all_gather and gather: the whole
+            output, 0 on a gather's non-root ranks; reduce_scatter and scatter: the whole input).
         count: number of elements of that buffer.
         dtype: element type, e.g. ``"float32"`` (``""`` for a barrier).
         backend: the communicator's backend name.

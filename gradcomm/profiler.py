@@ -24,9 +24,10 @@ stream, not finished. World-size-1 communicators issue no collectives and record
 
 Bandwidths follow nccl-tests' definitions (``doc/PERFORMANCE.md`` in
 https://github.com/NVIDIA/nccl-tests): ``algbw = S / t`` with ``S`` the bytes of the buffer
-(for all_gather the whole output, ``world_size`` times the input) and
-``busbw = algbw * factor``, ``factor`` = ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather,
-``1`` for broadcast (``n`` = world_size). Bandwidths are in GB/s (10^9 bytes per second), times
+(for all_gather and gather the whole output, ``world_size`` times the input; for reduce_scatter
+and scatter the whole input) and ``busbw = algbw * factor``, ``factor`` = ``2(n-1)/n`` for
+all_reduce, ``(n-1)/n`` for all_gather, reduce_scatter, all_to_all, gather and scatter, ``1`` for
+broadcast and reduce (``n`` = world_size). Bandwidths are in GB/s (10^9 bytes per second), times
 in seconds, sizes in bytes.
 
 The trace is the Chrome "Trace Event Format" (JSON object with ``traceEvents``): one complete
@@ -151,6 +152,8 @@ class Profiler:
             count, nbytes, dtype = 0, 0, ""
         else:
             count = tensor.numel()
+            if op in ("reduce_scatter", "scatter"):  # handed the output: nccl-tests counts input
+                count *= self.world_size
             nbytes = count * tensor.element_size()
             dtype = str(tensor.dtype).removeprefix("torch.")
         step = self._step

@@ -120,6 +120,191 @@ def check_bad_reduce_scatter(comm: Communicator) -> int:
     return _expect_all(cases)
 
 
+def check_all_to_all(comm: Communicator, dtypes: list[torch.dtype]) -> int:
+    """all_to_all: equal and uneven splits (zeros included), 1-D and 2-D, contiguous and not,
+    sync and async, every dtype (moved as bytes)."""
+    w, r, checks = comm.world_size, comm.rank, 0
+
+    def count(src: int, dst: int) -> int:
+        return (src + 2 * dst + 1) % 3
+
+    for dtype in dtypes:
+        for mode in ("equal", "uneven", "strided"):
+            cols = 3
+            if mode == "equal":
+                sends = [[2] * w for _ in range(w)]
+            else:
+                sends = [[count(i, j) for j in range(w)] for i in range(w)]
+            inputs = [rank_data(i, (sum(sends[i]), cols), dtype, salt=checks) for i in range(w)]
+            pieces = []
+            for i in range(w):
+                start = sum(sends[i][:r])
+                pieces.append(inputs[i][start:start + sends[i][r]])
+            want = torch.cat(pieces)
+            recv = [sends[i][r] for i in range(w)]
+            inp = inputs[r].clone()
+            out = torch.zeros(want.shape, dtype=dtype)
+            if mode == "strided":
+                inp, out = _noncontiguous(inp), _noncontiguous(out)
+            splits = (None, None) if mode == "equal" else (recv, sends[r])
+            comm.all_to_all(out, inp, *splits, async_op=mode == "strided").wait()
+            assert_equal(out, want, f"all_to_all {dtype} {mode}")
+            checks += 1
+    # 1-D, and a rank that sends nothing (rank 0) still takes part
+    sends = [[0 if i == 0 else j + 1 for j in range(w)] for i in range(w)]
+    inp = torch.arange(sum(sends[r]), dtype=torch.float32) + 100 * r
+    recv = [sends[i][r] for i in range(w)]
+    out = torch.empty(sum(recv))
+    comm.all_to_all(out, inp, recv, sends[r])
+    want = torch.cat([torch.arange(sum(sends[i][:r]), sum(sends[i][:r + 1]),
+                                   dtype=torch.float32) + 100 * i for i in range(w)])
+    assert_equal(out, want, "all_to_all 1-D with an empty sender")
+    return checks + 1
+
+
+def check_bad_all_to_all(comm: Communicator) -> int:
+    """Bad all_to_all arguments raise on this rank before any transfer."""
+    w = comm.world_size
+    x = torch.zeros(2 * w, 3)
+    cases: list[tuple[type[Exception], Callable[[], object]]] = [
+        (ValueError, lambda: comm.all_to_all(torch.zeros(2 * w + 1, 3), x,
+                                             [2] * w + [1] if w > 1 else [3], None)),
+        (ValueError, lambda: comm.all_to_all(x, torch.zeros(2 * w + 1, 3))),
+        (ValueError, lambda: comm.all_to_all(x, x.clone(), [2] * (w + 1), None)),
+        (ValueError, lambda: comm.all_to_all(x, x.clone(), None, [-1] + [2] * (w - 1))),
+        (ValueError, lambda: comm.all_to_all(x, x.clone(), None, [1] * w)),
+        (TypeError, lambda: comm.all_to_all(x, x.clone(), None, [2.0] * w)),
+        (ValueError, lambda: comm.all_to_all(torch.zeros(2 * w, 4), x)),
+        (ValueError, lambda: comm.all_to_all(torch.zeros(()), torch.zeros(()))),
+        (TypeError, lambda: comm.all_to_all(x, x.to(torch.float64))),
+        (ValueError, lambda: comm.all_to_all(torch.zeros(1, 3).expand(2 * w, 3), x)),
+    ]
+    return _expect_all(cases)
+
+
+def check_rooted(comm: Communicator, dtypes: list[torch.dtype]) -> int:
+    """reduce, gather and scatter at every root, contiguous and not, sync and async."""
+    w, r, checks = comm.world_size, comm.rank, 0
+    for dtype in dtypes:
+        for root in range(w):
+            strided = (root + checks) % 2 == 1
+            shape = (2, 3)
+            ins = [rank_data(k, shape, dtype, salt=checks) for k in range(w)]
+            for op in _ops(dtype) if root == 0 else [ReduceOp.SUM]:
+                t = ins[r].clone()
+                t = _noncontiguous(t) if strided else t
+                comm.reduce(t, root, op, async_op=strided).wait()
+                if r == root:
+                    assert_equal(t, reduce_ref(ins, op, dtype), f"reduce {dtype} {op.name} {root}")
+            # gather: the root's buffer is world_size chunks of the input's shape along dim 0
+            out = torch.zeros(w * 2, 3, dtype=dtype) if r == root else None
+            if out is not None and strided:
+                out = _noncontiguous(out)
+            inp = _noncontiguous(ins[r].clone()) if strided else ins[r].clone()
+            comm.gather(out, inp, root, async_op=strided).wait()
+            if out is not None:
+                assert_equal(out, torch.cat(ins), f"gather {dtype} root {root}")
+            # scatter: chunk k of the root's input goes to rank k
+            big = torch.cat(ins) if r == root else None
+            got = torch.zeros(shape, dtype=dtype)
+            got = _noncontiguous(got) if strided else got
+            comm.scatter(got, big, root, async_op=strided).wait()
+            assert_equal(got, ins[r], f"scatter {dtype} root {root}")
+            checks += 1
+    return checks
+
+
+def check_bad_rooted(comm: Communicator) -> int:
+    """Bad rooted arguments that every rank can see raise on every rank; the root's buffer is
+    checked on the root only (see docs/collectives.md)."""
+    w, r = comm.world_size, comm.rank
+    x = torch.zeros(2, 3)
+    root_out = torch.zeros(2 * w, 3)
+    cases: list[tuple[type[Exception], Callable[[], object]]] = [
+        (ValueError, lambda: comm.reduce(x.clone(), w)),
+        (ValueError, lambda: comm.reduce(x.clone(), -1)),
+        (TypeError, lambda: comm.reduce(x.clone(), 0.0)),  # type: ignore[arg-type]
+        (TypeError, lambda: comm.reduce(x.clone().int(), 0, "avg")),
+        (ValueError, lambda: comm.gather(root_out if r == w else None, x, w)),
+        (TypeError, lambda: comm.gather(None, x, True)),  # type: ignore[arg-type]
+        (ValueError, lambda: comm.scatter(x.clone(), None, w + 3)),
+        (ValueError, lambda: comm.scatter(torch.zeros(1, 3).expand(2, 3), None, 0)),
+        (TypeError, lambda: comm.gather(None, [1.0], 0)),  # type: ignore[arg-type]
+    ]
+    if w == 1:  # every rank is the root: the root-only checks run on every rank
+        cases += [
+            (ValueError, lambda: comm.gather(torch.zeros(3, 3), x, 0)),
+            (TypeError, lambda: comm.gather(None, x, 0)),
+            (TypeError, lambda: comm.gather(root_out.double(), x, 0)),
+            (ValueError, lambda: comm.scatter(x.clone(), torch.zeros(3, 3), 0)),
+            (TypeError, lambda: comm.scatter(x.clone(), None, 0)),
+        ]
+    return _expect_all(cases)
+
+
+def check_all_gather_uneven(comm: Communicator, dtypes: list[torch.dtype]) -> int:
+    """all_gather with output_split_sizes: rows per rank differ (zero included)."""
+    w, r, checks = comm.world_size, comm.rank, 0
+    for dtype in dtypes:
+        for strided in (False, True):
+            rows = [(k + checks) % 3 for k in range(w)]
+            ins = [rank_data(k, (rows[k], 2), dtype, salt=checks) for k in range(w)]
+            out = torch.zeros(sum(rows), 2, dtype=dtype)
+            inp = ins[r].clone()
+            if strided:
+                out, inp = _noncontiguous(out), _noncontiguous(inp)
+            comm.all_gather(out, inp, rows, async_op=strided).wait()
+            assert_equal(out, torch.cat(ins), f"all_gather uneven {dtype} {rows}")
+            checks += 1
+    return checks
+
+
+def check_bad_all_gather_uneven(comm: Communicator) -> int:
+    """Bad uneven all_gather arguments raise on this rank before any transfer."""
+    w, r = comm.world_size, comm.rank
+    rows = [k + 1 for k in range(w)]
+    out, inp = torch.zeros(sum(rows), 2), torch.zeros(r + 1, 2)
+    cases: list[tuple[type[Exception], Callable[[], object]]] = [
+        (ValueError, lambda: comm.all_gather(out, torch.zeros(r + 2, 2), rows)),
+        (ValueError, lambda: comm.all_gather(out, torch.zeros(r + 1, 3), rows)),
+        (ValueError, lambda: comm.all_gather(out, inp, [*rows, 0])),
+        (ValueError, lambda: comm.all_gather(torch.zeros(sum(rows) + 1, 2), inp, rows)),
+        (TypeError, lambda: comm.all_gather(out, inp.double(), rows)),
+        (TypeError, lambda: comm.all_gather(out, inp, [float(n) for n in rows])),
+    ]
+    return _expect_all(cases)
+
+
+def check_objects(comm: Communicator) -> int:
+    """broadcast_object from every root and all_gather_object of objects of different sizes;
+    an object that cannot be pickled raises TypeError on every rank."""
+    w, r, checks = comm.world_size, comm.rank, 0
+    for src in range(w):
+        sent = {"src": src, "metrics": [src * 0.5] * (src + 1), "t": torch.arange(src + 2)}
+        got = comm.broadcast_object(sent if r == src else None, src)
+        assert isinstance(got, dict) and got["src"] == src and got["metrics"] == sent["metrics"]
+        assert torch.equal(got["t"], sent["t"])
+        checks += 1
+    mine = {"rank": r, "text": "x" * (1000 * r + 1)}
+    assert comm.all_gather_object(mine) == [{"rank": k, "text": "x" * (1000 * k + 1)}
+                                            for k in range(w)]
+    bad_rank = w - 1
+    try:
+        comm.broadcast_object((lambda: 0) if r == bad_rank else None, bad_rank)
+    except TypeError as exc:
+        assert f"rank {bad_rank}'s object cannot be pickled" in str(exc), exc
+    else:
+        raise AssertionError("broadcast_object of a lambda did not raise")
+    try:
+        comm.all_gather_object((lambda: 0) if r == bad_rank else r)
+    except TypeError as exc:
+        assert f"rank {bad_rank}'s object cannot be pickled" in str(exc), exc
+    else:
+        raise AssertionError("all_gather_object of a lambda did not raise")
+    assert comm.all_gather_object(r) == list(range(w))  # still in step
+    return checks + 4
+
+
 def _expect_all(cases: list[tuple[type[Exception], Callable[[], object]]]) -> int:
     for i, (kind, call) in enumerate(cases):
         try:
@@ -138,7 +323,12 @@ def _expect_all(cases: list[tuple[type[Exception], Callable[[], object]]]) -> in
 def run_all(comm: Communicator, dtypes: list[torch.dtype]) -> dict[str, int]:
     """Every case on ``comm``; returns the number of checks per collective. A bad-input check
     runs between good collectives, so a rank that had issued a transfer would desynchronise."""
-    counts = {"bad": check_bad_reduce_scatter(comm)}
+    counts = {"bad": check_bad_reduce_scatter(comm) + check_bad_all_to_all(comm)
+              + check_bad_rooted(comm) + check_bad_all_gather_uneven(comm)}
     counts["reduce_scatter"] = check_reduce_scatter(comm, dtypes)
+    counts["all_to_all"] = check_all_to_all(comm, dtypes)
+    counts["rooted"] = check_rooted(comm, dtypes)
+    counts["all_gather_uneven"] = check_all_gather_uneven(comm, dtypes)
+    counts["objects"] = check_objects(comm)
     comm.barrier()
     return counts

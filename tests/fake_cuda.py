@@ -175,6 +175,16 @@ class FakeNcclCommunicator:
             if op == 4:
                 out[:] = (out / out.dtype.type(self.world_size)).astype(out.dtype)
 
+    def reduce(self, send: int, recv: int, count: int, dtype: int, op: int, root: int,
+               stream: int) -> None:
+        self.log.add("reduce", recv, count, dtype, op, root, stream)
+
+    def send(self, buf: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        self.log.add("send", buf, count, dtype, peer, stream)
+
+    def recv(self, buf: int, count: int, dtype: int, peer: int, stream: int) -> None:
+        self.log.add("recv", buf, count, dtype, peer, stream)
+
     def check_async_error(self) -> None:
         self.log.add("check_async_error")
 
@@ -200,6 +210,8 @@ def install_cupy(monkeypatch: pytest.MonkeyPatch, log: Log, nccl_version: int = 
                        ("NCCL_FLOAT16", 6), ("NCCL_FLOAT32", 7), ("NCCL_FLOAT64", 8),
                        ("NCCL_SUM", 0), ("NCCL_PROD", 1), ("NCCL_MAX", 2), ("NCCL_MIN", 3)):
         setattr(nccl, name, code)
+    nccl.groupStart = lambda: log.add("groupStart")  # type: ignore[attr-defined]
+    nccl.groupEnd = lambda: log.add("groupEnd")  # type: ignore[attr-defined]
     nccl.get_version = lambda: nccl_version  # type: ignore[attr-defined]
     nccl.get_unique_id = lambda: b"fake-unique-id"  # type: ignore[attr-defined]
 

@@ -250,6 +250,26 @@ class FakeDeviceCommunicator(Communicator):
         return self.inner.reduce_scatter(self._data(output), self._data(input), op,
                                          async_op=True)
 
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+                    input_counts: list[int], description: DescriptionLike) -> Work:
+        # 1-D tensors here: element counts are the split sizes
+        return self.inner.all_to_all(self._data(output), self._data(input), output_counts,
+                                     input_counts, async_op=True)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
+                description: DescriptionLike) -> Work:
+        return self.inner.reduce(self._data(tensor), dst, op, async_op=True)
+
+    def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
+                description: DescriptionLike) -> Work:
+        out = None if output is None else self._data(output)
+        return self.inner.gather(out, self._data(input), dst, async_op=True)
+
+    def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
+                 description: DescriptionLike) -> Work:
+        inp = None if input is None else self._data(input)
+        return self.inner.scatter(self._data(output), inp, src, async_op=True)
+
     def _barrier(self, description: DescriptionLike) -> Work:
         self.inner.barrier()
         return CompletedWork(str(description))

@@ -75,8 +75,11 @@ def test_bus_factor_is_nccl_tests_definition() -> None:
     assert bus_factor("all_gather", 4) == pytest.approx(3 / 4)
     assert bus_factor("broadcast", 4) == 1.0
     assert bus_factor("all_reduce", 1) == 0.0
+    for op in ("reduce_scatter", "all_to_all", "gather", "scatter"):
+        assert bus_factor(op, 4) == pytest.approx(3 / 4)
+    assert bus_factor("reduce", 4) == 1.0
     with pytest.raises(ValueError, match="unknown collective"):
-        bus_factor("reduce_scatter", 2)
+        bus_factor("reduce_gather", 2)
     with pytest.raises(ValueError, match="world_size"):
         bus_factor("all_reduce", 0)
 

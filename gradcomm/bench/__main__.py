@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 (float), float64 (double), float16 (half), bfloat16, int8, "
                         "uint8, int32, int64 (default float32)")
     p.add_argument("-o", "--op", default="sum", help="sum, prod, min, max or avg (default sum)")
+    p.add_argument("-c", "--collective", action="append", default=None,
+                   help="collective(s) to sweep, comma-separated: all_reduce (default), "
+                        "reduce_scatter, all_gather, all_to_all, broadcast, reduce, gather, "
+                        "scatter, or all")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed calls per round (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5, help="untimed calls first (default 5)")
     p.add_argument("-r", "--repeats", type=int, default=3,
@@ -132,7 +136,7 @@ def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str,
 
     return {
         "tool": "gradcomm.bench",
-        "collective": "all_reduce",
+        "collective": ",".join(args.collective or ["all_reduce"]),
         **run_metadata([*_launch_prefix(launcher, world_size), "python", "-m", "gradcomm.bench",
                         *sys.argv[1:]]),
         "world_size": world_size,
@@ -145,7 +149,9 @@ def _meta(args: argparse.Namespace, world_size: int, launcher: str) -> dict[str,
         "stat": args.stat,
         "device": args.device,
         "time": f"max over ranks of each rank's {args.stat} (see --stat)",
-        "busbw": "algbw * 2(n-1)/n (nccl-tests doc/PERFORMANCE.md)",
+        "busbw": "algbw * nccl-tests' factor (doc/PERFORMANCE.md): all_reduce 2(n-1)/n; "
+                 "reduce_scatter, all_gather, all_to_all, gather, scatter (n-1)/n; broadcast, "
+                 "reduce 1",
     }
 
 
@@ -176,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .. import comm as gc
     from ..comm.registry import check_backend, known_backends, normalize_backend_name
     from ..comm.selection import resolve_timeout
-    from ..comm.types import ReduceOp
+    from ..comm.types import Collective, ReduceOp
+    from .collectives import SWEPT, run_collective_sweep
     from .metrics import dtype_name, parse_dtype, size_sweep
     from .results import SweepResult, format_table, mpi_versions, write_csv, write_json
     from .sweep import make_raw_transport, raw_transport_unavailable, run_sweep
@@ -197,6 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
             raise ValueError(f"--op avg needs a floating-point --dtype, got {args.dtype}")
         resolve_timeout(args.timeout)  # --timeout, else GRADCOMM_TIMEOUT
+        collectives: list[Collective] = []
+        for entry in args.collective or ["all_reduce"]:
+            for name in (n.strip() for n in entry.split(",") if n.strip()):
+                collectives += ([Collective.ALL_REDUCE, *SWEPT] if name.lower() == "all"
+                                else [Collective.coerce(name)])
+        unswept = [c.value for c in collectives if c is not Collective.ALL_REDUCE
+                   and c not in SWEPT]
+        if unswept:
+            raise ValueError(f"no sweep of {', '.join(unswept)}")
     except (ValueError, TypeError, ImportError, RuntimeError) as exc:
         parser.error(str(exc))
     elem = torch.empty((), dtype=dtype).element_size()
@@ -212,12 +228,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     result = SweepResult(meta=_meta(args, launch.world_size, launch.launcher.value))
     result.meta["backends"] = backends
-    say(f"# gradcomm.bench all_reduce: {launch.world_size} ranks ({launch.launcher.value}), "
+    names = ",".join(c.value for c in collectives)
+    say(f"# gradcomm.bench {names}: {launch.world_size} ranks ({launch.launcher.value}), "
         f"{dtype_name(dtype)} {args.op}, sizes {sizes[0]}..{sizes[-1]} B, iters {args.iters}, "
         f"warmup {args.warmup}, repeats {args.repeats}, OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
     say(f"# time: max over ranks of the {args.stat} per call over {args.repeats} rounds; "
-        "busbw = algbw * 2(n-1)/n (nccl-tests)")
+        "busbw = algbw * nccl-tests' factor: all_reduce 2(n-1)/n; reduce_scatter, all_gather, "
+        "all_to_all, gather, scatter (n-1)/n; broadcast, reduce 1")
     if launch.world_size == 1:
         say("# world_size 1: gradcomm issues no collective (all_reduce returns at once), while the "
             "raw column is the transport's own 1-rank call, so ratio and overhead compare "
@@ -241,20 +259,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             if raw is not None and not raw.supports(dtype, op):
                 say(f"# {raw.name} cannot reduce {dtype_name(dtype)} with {args.op}: "
                     "no raw column")
-            header_done = False
+            rows = []
+            for collective in collectives:
+                header_done = False
 
-            def show(row: Any) -> None:
-                nonlocal header_done
-                lines = format_table([row])
-                if not header_done:
-                    for line in lines[:-1]:
-                        say(line)
-                    header_done = True
-                say(lines[-1])
+                def show(row: Any) -> None:
+                    nonlocal header_done
+                    lines = format_table([row])
+                    if not header_done:
+                        for line in lines[:-1]:
+                            say(line)
+                        header_done = True
+                    say(lines[-1])
 
-            rows = run_sweep(comm, sizes, dtype, op, iters=args.iters, warmup=args.warmup,
-                             repeats=args.repeats, raw=raw, progress=show,
-                             stat=args.stat)
+                if len(collectives) > 1:
+                    say(f"# {collective.value}")
+                if collective is Collective.ALL_REDUCE:
+                    rows += run_sweep(comm, sizes, dtype, op, iters=args.iters,
+                                      warmup=args.warmup, repeats=args.repeats, raw=raw,
+                                      progress=show, stat=args.stat)
+                else:
+                    rows += run_collective_sweep(
+                        comm, collective, sizes, dtype, op, iters=args.iters,
+                        warmup=args.warmup, repeats=args.repeats, raw=raw, progress=show,
+                        stat=args.stat)
             result.rows += rows
             wrong = sum(r.wrong for r in rows)
             verdict = "OK" if wrong == 0 else "FAILED"

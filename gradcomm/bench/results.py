@@ -53,6 +53,7 @@ class SweepRow:
         time_us, algbw, busbw: gradcomm's all_reduce.
         raw_time_us, raw_algbw, raw_busbw: the raw transport's all-reduce.
         wrong: elements of a check all-reduce that differed from the expected value.
+        collective: the collective measured (``all_reduce``, ``reduce_scatter``, ...).
     """
 
     backend: str
@@ -69,6 +70,7 @@ class SweepRow:
     raw_algbw: float | None = None
     raw_busbw: float | None = None
     wrong: int = 0
+    collective: str = "all_reduce"
 
     @property
     def overhead_us(self) -> float | None:

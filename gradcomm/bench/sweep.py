@@ -45,6 +45,7 @@ __all__ = [
     "make_raw_transport",
     "raw_transport_unavailable",
     "run_sweep",
+    "measure",
 ]
 
 # dtypes gloo and MPI reduce natively (16-bit floats have no standard MPI datatype).
@@ -132,6 +133,11 @@ class TorchDistRaw(RawTransport):
     def supports(self, dtype: torch.dtype, op: ReduceOp) -> bool:
         return dtype in self._DTYPES and op in self._OPS
 
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group the raw calls use (None: torch's default group)."""
+        return self._group
+
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         red = getattr(self._dist.ReduceOp, self._OPS[op])
         self._dist.all_reduce(tensor, op=red, group=self._group)
@@ -174,6 +180,15 @@ class MPIRaw(RawTransport):
 
     def supports(self, dtype: torch.dtype, op: ReduceOp) -> bool:
         return dtype in self._DTYPES and op in self._ops
+
+    @property
+    def comm(self) -> Any:
+        """The duplicate of ``MPI.COMM_WORLD`` the raw calls use."""
+        return self._comm
+
+    def mpi_op(self, op: ReduceOp) -> Any:
+        """The MPI op of ``op`` (SUM, PRODUCT, MIN or MAX)."""
+        return self._ops[op]
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         if tensor.is_cuda:
@@ -322,6 +337,46 @@ def _count_wrong(tensor: torch.Tensor, op: ReduceOp, world_size: int) -> int:
     return int((~ok).sum())
 
 
+def measure(
+    comm: Communicator, ours: Callable[[], object], raw: Callable[[], object] | None, *,
+    iters: int, warmup: int, repeats: int, stat: str, sync: Callable[[], None] = _no_sync,
+) -> tuple[float, float | None]:
+    """Seconds per call of ``ours`` and ``raw`` (None: not measured), as :func:`run_sweep` times.
+
+    ``warmup`` untimed calls of each, then ``repeats`` interleaved rounds of ``iters`` calls
+    (the order swapped every round); per rank the mean per call of each round and the median
+    call, then the maximum over ranks (an all-reduce on ``comm``), then ``stat`` over rounds.
+    Call on every rank.
+    """
+    variants: list[tuple[str, Callable[[], object]]] = [("ours", ours)]
+    if raw is not None:
+        variants.append(("raw", raw))
+    for _ in range(warmup):
+        for _, fn in variants:
+            fn()
+    calls: dict[str, list[list[float]]] = {name: [] for name, _ in variants}
+    for rep in range(repeats):
+        order = variants if rep % 2 == 0 else variants[::-1]
+        for name, fn in order:
+            calls[name].append(_timed(fn, iters, comm.barrier, sync))
+    local = []
+    for name in ("ours", "raw"):
+        rounds = calls.get(name, [[0.0]] * repeats)
+        local += [statistics.fmean(r) for r in rounds]
+        local.append(statistics.median(t for r in rounds for t in r))
+    times = torch.tensor(local, dtype=torch.float64, device=comm.device)
+    comm.all_reduce(times, ReduceOp.MAX)
+    times = times.cpu()
+    per = repeats + 1
+    picked = []
+    for k in (0, 1):
+        means = times[k * per: k * per + repeats].tolist()
+        call_median = float(times[k * per + repeats])
+        picked.append(call_median if stat == "call-median"
+                      else min(means) if stat == "min" else statistics.median(means))
+    return picked[0], (picked[1] if raw is not None else None)
+
+
 def run_sweep(
     comm: Communicator,
     sizes: Sequence[int],
@@ -383,37 +438,10 @@ def run_sweep(
         fill = torch.ones if op is ReduceOp.PRODUCT else torch.zeros
         buf = fill(count, dtype=dtype, device=device)
 
-        variants: list[tuple[str, Callable[[], object]]] = [
-            ("ours", functools.partial(comm.all_reduce, buf, op))
-        ]
-        if raw is not None and use_raw:
-            variants.append(("raw", functools.partial(raw.all_reduce, buf, op)))
-        for _ in range(warmup):
-            for _, fn in variants:
-                fn()
-        calls: dict[str, list[list[float]]] = {name: [] for name, _ in variants}
-        for rep in range(repeats):
-            order = variants if rep % 2 == 0 else variants[::-1]
-            for name, fn in order:
-                calls[name].append(_timed(fn, iters, comm.barrier, sync))
-        # Per rank: the mean per call of each round, and the median call; then max over ranks.
-        local = []
-        for name in ("ours", "raw"):
-            rounds = calls.get(name, [[0.0]] * repeats)
-            local += [statistics.fmean(r) for r in rounds]
-            local.append(statistics.median(t for r in rounds for t in r))
-        times = torch.tensor(local, dtype=torch.float64, device=device)
-        comm.all_reduce(times, ReduceOp.MAX)
-        times = times.cpu()
-        per = repeats + 1
-        picked = []
-        for k in (0, 1):
-            means = times[k * per: k * per + repeats].tolist()
-            call_median = float(times[k * per + repeats])
-            picked.append(call_median if stat == "call-median"
-                          else min(means) if stat == "min" else statistics.median(means))
-        t_ours = picked[0]
-        t_raw = picked[1] if use_raw else None
+        ours = functools.partial(comm.all_reduce, buf, op)
+        raw_fn = functools.partial(raw.all_reduce, buf, op) if raw is not None and use_raw else None
+        t_ours, t_raw = measure(comm, ours, raw_fn, iters=iters, warmup=warmup, repeats=repeats,
+                                stat=stat, sync=sync)
 
         buf.fill_(comm.rank % 2 + 1)
         comm.all_reduce(buf, op)

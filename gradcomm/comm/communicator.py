@@ -23,7 +23,9 @@ import torch
 
 from .emulation import average, reduce_complex
 from .issue import IssuePath
+from .object_ops import ObjectOps
 from .observer import CollectiveObserver
+from .rooted_ops import RootedOps
 from .shard_ops import ShardOps
 from .stalls import StallGuard
 from .support import collective_support
@@ -44,7 +46,7 @@ from .work import CompletedWork, Description, DescriptionLike, Work, writing_int
 __all__ = ["Communicator", "CollectiveObserver"]
 
 
-class Communicator(ShardOps, IssuePath, abc.ABC):
+class Communicator(ShardOps, RootedOps, ObjectOps, IssuePath, abc.ABC):
     """A group of ``world_size`` processes that run collectives on tensors of one device type.
 
     All collectives work in place on the given tensor and preserve its dtype and shape. Each
@@ -227,13 +229,16 @@ class Communicator(ShardOps, IssuePath, abc.ABC):
         return self._issue("broadcast", self._broadcast, (buf, src), desc, tensor, buf, None,
                            async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                   output_split_sizes: list[int] | None = None, *,
                    async_op: bool = False) -> Work:
         """Gather every rank's ``input`` into ``output``, concatenated in rank order.
 
         Semantics of :func:`torch.distributed.all_gather_into_tensor`: ``output`` holds
         ``world_size * input.numel()`` elements of ``input``'s dtype; rank ``r``'s data lands in
-        ``output.view(-1)[r * n:(r + 1) * n]`` with ``n = input.numel()``.
+        ``output.view(-1)[r * n:(r + 1) * n]`` with ``n = input.numel()``. With
+        ``output_split_sizes`` (rank ``r``'s rows along dim 0, ``sum`` = ``output.shape[0]``) the
+        ranks' first dimensions may differ (MPI's Allgatherv; see :meth:`_all_gather_uneven`).
 
         Raises:
             TypeError: not tensors, dtypes differ, or ``async_op`` not a bool.
@@ -243,6 +248,8 @@ class Communicator(ShardOps, IssuePath, abc.ABC):
         """
         check_call_args(async_op)
         self._check_open()
+        if output_split_sizes is not None:
+            return self._all_gather_uneven(output, input, output_split_sizes, async_op)
         tail = self._check_tensor(input, "all_gather", reduction=False)
         self._check_tensor(output, "all_gather", reduction=False)
         check_all_gather(output, input, self._world_size)

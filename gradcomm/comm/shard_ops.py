@@ -10,6 +10,7 @@ before any transport call (:mod:`~gradcomm.comm.validation`), then takes the com
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -126,7 +127,7 @@ class ShardOps(IssuePath):
                 output.copy_(input)
             return CompletedWork(target=output)
         # every rank takes part, even one that sends and receives nothing (sizes differ by rank)
-        row = input[0].numel() if input.shape[0] else output[0].numel() if output.shape[0] else 0
+        row = math.prod(input.shape[1:])  # elements per row
         src, out = plain(input), plain(output, "all_to_all")
         if overlap(src, out):
             src = src.clone()
@@ -136,7 +137,69 @@ class ShardOps(IssuePath):
                            (out.view(-1), src.view(-1), *counts), desc, output, out, None,
                            async_op)
 
+    def _all_gather_uneven(self, output: torch.Tensor, input: torch.Tensor,
+                           output_split_sizes: list[int], async_op: bool) -> Work:
+        """:meth:`all_gather` with ``output_split_sizes``: rank ``r``'s ``input`` has
+        ``output_split_sizes[r]`` rows (dim 0) and the same shape after dim 0 on every rank;
+        ``output`` has ``sum(output_split_sizes)`` rows. Every rank must pass the same sizes:
+        a rank cannot see the others', so a mismatch is caught only by the transport.
+
+        Raises:
+            TypeError: not tensors, dtypes differ, sizes not ints.
+            ValueError: 0-d tensors, sizes of the wrong length, negative or not summing to
+                ``output.shape[0]``, ``input.shape[0]`` not this rank's size, shapes after
+                dim 0 differing, a wrong device type or ``output``'s elements sharing memory.
+        """
+        tail = self._check_tensor(input, "all_gather", reduction=False)
+        self._check_tensor(output, "all_gather", reduction=False)
+        check_same_dtype("all_gather", output, input)
+        w, r = self._world_size, self._rank
+        rows = check_splits("all_gather", "output_split_sizes", output_split_sizes, output, w)
+        if input.dim() == 0 or input.shape[1:] != output.shape[1:] or input.shape[0] != rows[r]:
+            raise ValueError(f"all_gather: input shape {tuple(input.shape)} must be "
+                             f"({rows[r]}, *{tuple(output.shape[1:])}) on rank {r} "
+                             f"(output_split_sizes[{r}] rows, output's shape after dim 0)")
+        check_writable(output, "all_gather")
+        if w == 1 or output.numel() == 0:
+            with writing_into(output):
+                output.copy_(input)
+            return CompletedWork(target=output)
+        row = math.prod(input.shape[1:])
+        src, out = plain(input), plain(output, "all_gather")
+        if overlap(src, out):
+            src = src.clone()
+        desc = Description("all_gather", next(self._seq), src.numel(), tail, "uneven")
+        return self._issue("all_gather", self._all_gather_v,
+                           (out.view(-1), src.view(-1), [n * row for n in rows]), desc,
+                           output, out, None, async_op)
+
     # ------------------------------------------------------------------ backend hooks
+    def _all_gather_v(self, output: torch.Tensor, input: torch.Tensor, counts: list[int],
+                      description: DescriptionLike) -> Work:
+        """Start an all-gather of contiguous 1-D tensors of ``counts[r]`` elements per rank.
+
+        This default is an emulation over ``_all_gather``: every input padded to the largest
+        count, gathered, and the pieces copied out (``world_size * max(counts)`` moved).
+        """
+        width = max(counts)
+        padded = input.new_zeros(width)
+        padded[: input.numel()] = input
+        gathered = output.new_empty(self._world_size * width)
+        work = self._all_gather(gathered, padded, description)
+
+        def unpad() -> None:
+            at = 0
+            for r, n in enumerate(counts):
+                output[at:at + n] = gathered[r * width:r * width + n]
+                at += n
+
+        work.add_callback(unpad)
+        return work
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                    description: DescriptionLike) -> Work:
+        raise NotImplementedError  # pragma: no cover - Communicator declares it abstract
+
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
                         description: DescriptionLike) -> Work:
         """Start a reduce-scatter of contiguous 1-D tensors (``input`` world_size times longer)

@@ -51,6 +51,9 @@ def collective_support(collective: Collective, dtype: torch.dtype, device: torch
     if collective is Collective.REDUCE_SCATTER and _keeps_default(comm, "_reduce_scatter"):
         base = emulated(base, "reduce_scatter runs as an all_reduce of the whole input "
                         "(world_size times the traffic)")
+    if collective is Collective.ALL_GATHER_V and _keeps_default(comm, "_all_gather_v"):
+        base = emulated(base, "all_gather with uneven sizes pads every input to the largest "
+                        "(world_size * largest moved)")
     return comm._supports_collective(collective, dtype, device, base)
 
 

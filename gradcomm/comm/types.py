@@ -66,6 +66,8 @@ class Collective(enum.Enum):
     REDUCE = "reduce"
     BROADCAST = "broadcast"
     ALL_GATHER = "all_gather"
+    #: all_gather with ``output_split_sizes`` (first dimensions differing by rank)
+    ALL_GATHER_V = "all_gather_v"
     ALL_TO_ALL = "all_to_all"
     GATHER = "gather"
     SCATTER = "scatter"

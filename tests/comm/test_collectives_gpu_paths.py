@@ -83,3 +83,63 @@ def test_reduce_scatter_on_a_device_communicator_takes_the_base_class_path() -> 
     got = ThreadGroup(2).run(_on_fake_device)
     # rows r*2..r*2+1 of arange(8).reshape(4, 2), averaged over ranks (+0 and +1): + 0.5
     assert got == [[[0.5, 1.5], [2.5, 3.5]], [[4.5, 5.5], [6.5, 7.5]]]
+
+
+def test_cupy_nccl_all_to_all_is_one_group_of_sends_and_receives(cupy_comm: Any) -> None:
+    comm, fake, _ = cupy_comm
+    [side] = fake.side_streams
+    src = _cuda(torch.arange(6.0).reshape(3, 2))
+    out = _cuda(torch.zeros(4, 2))
+    comm.all_to_all(out, src, [1, 3], [3, 0])
+    calls = [c for c in fake.log.calls if c[0] in ("groupStart", "groupEnd", "send", "recv")]
+    s = side.cuda_stream
+    # rank 0 sends its 3 rows to itself and none to rank 1; receives 1 row from 0, 3 from 1
+    assert calls == [("groupStart",), ("send", src.data_ptr(), 24, 1, 0, s),
+                     ("recv", out.data_ptr(), 8, 1, 0, s),
+                     ("recv", out.data_ptr() + 8, 24, 1, 1, s), ("groupEnd",)]
+
+
+def test_cupy_nccl_gather_and_scatter_are_groups_of_sends_and_receives(cupy_comm: Any) -> None:
+    comm, fake, _ = cupy_comm
+    s = fake.side_streams[0].cuda_stream
+    src, out = _cuda(torch.ones(3)), _cuda(torch.zeros(6))
+    comm.gather(out, src, 0)  # rank 0 is the root: sends to itself, receives from both
+    comm.gather(None, src, 1)  # not the root: one send to rank 1
+    comm.scatter(src, out, 0)
+    p2p = [c[:5] for c in fake.log.calls if c[0] in ("send", "recv")]
+    o, i = out.data_ptr(), src.data_ptr()
+    assert p2p == [("send", i, 12, 1, 0), ("recv", o, 12, 1, 0), ("recv", o + 12, 12, 1, 1),
+                   ("send", i, 12, 1, 1),
+                   ("send", o, 12, 1, 0), ("recv", i, 12, 1, 0), ("send", o + 12, 12, 1, 1)]
+    assert all(c[5] == s for c in fake.log.calls if c[0] in ("send", "recv"))
+    comm.reduce(src, 1, ReduceOp.MAX)
+    [red] = [c for c in fake.log.calls if c[0] == "reduce"]
+    assert red == ("reduce", i, 3, 7, 2, 1, s)
+
+
+def _rooted_on_fake_device(comm: Any) -> list[Any]:
+    w, r = comm.world_size, comm.rank
+    with fake_device():
+        dev = FakeDeviceCommunicator(comm)
+        t = to_fake(torch.full((2,), float(r + 1), dtype=torch.float16))
+        dev.reduce(t, 0, "avg")
+        out = to_fake(torch.zeros(w, 2)) if r == 1 else None
+        dev.gather(out, to_fake(torch.full((2,), float(r))), 1)
+        got = to_fake(torch.zeros(2))
+        dev.scatter(got, to_fake(torch.arange(2.0 * w)) if r == 0 else None, 0)
+        uneven = to_fake(torch.zeros(3))  # rank 0 has 1 row, rank 1 has 2
+        dev.all_gather(uneven, to_fake(torch.full((r + 1,), float(r + 5))), [1, 2])
+        emulated = dev.supports(torch.float32, collective="all_gather_v").level
+        obj = dev.all_gather_object({"r": r})
+        return [to_cpu(t).tolist() if r == 0 else None,
+                None if out is None else to_cpu(out).tolist(), to_cpu(got).tolist(),
+                to_cpu(uneven).tolist(), emulated.value, obj]
+
+
+def test_rooted_uneven_and_object_collectives_on_a_device_communicator() -> None:
+    r0, r1 = ThreadGroup(2).run(_rooted_on_fake_device)
+    assert r0[0] == [1.5, 1.5] and r1[1] == [[0.0, 0.0], [1.0, 1.0]]
+    assert r0[2] == [0.0, 1.0] and r1[2] == [2.0, 3.0]
+    assert r0[3] == r1[3] == [5.0, 6.0, 6.0]
+    assert r0[4] == "emulated-slow"  # the base class pads: said so by supports()
+    assert r0[5] == r1[5] == [{"r": 0}, {"r": 1}]

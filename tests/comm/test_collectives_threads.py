@@ -33,3 +33,24 @@ def test_supports_answers_per_collective() -> None:
     assert meta.level is SupportLevel.UNSUPPORTED
     with pytest.raises(ValueError, match="unknown collective"):
         ThreadGroup(1).communicator(0).supports(torch.float32, collective="reduce_gather")
+
+
+def test_profiler_records_every_new_collective_with_nccl_tests_sizes() -> None:
+    from gradcomm.profiler import Profiler
+
+    def run(comm):  # type: ignore[no-untyped-def]
+        prof = Profiler(comm).attach()
+        out, big = torch.zeros(4), torch.ones(8)
+        comm.reduce_scatter(out, big, label="shard")
+        comm.all_to_all(big.clone(), big)
+        comm.reduce(out, 0)
+        comm.gather(big if comm.rank == 0 else None, out, 0)
+        comm.scatter(out, big if comm.rank == 0 else None, 0)
+        comm.all_gather_object(comm.rank)
+        return [(r.op, r.bytes) for r in prof.records], [s.op for s in prof.summary().ops]
+
+    (records, ops), _ = ThreadGroup(2).run(run)  # type: ignore[misc]
+    assert records[:5] == [("reduce_scatter", 32), ("all_to_all", 32), ("reduce", 16),
+                           ("gather", 32), ("scatter", 32)]
+    assert [op for op, _ in records[5:]] == ["all_gather", "all_gather"]  # sizes, then bytes
+    assert {"reduce_scatter", "all_to_all", "reduce", "gather", "scatter"} <= set(ops)

@@ -337,6 +337,65 @@ class CupyNCCLCommunicator(Communicator):
             description,
         )
 
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+                    input_counts: list[int], description: DescriptionLike) -> Work:
+        # NCCL has no all-to-all call: one send and one receive per peer inside a group call is
+        # how NCCL's own documentation (and ProcessGroupNCCL) builds it.
+        size = input.element_size()
+        return self._exchange_bytes(output, input, [c * size for c in output_counts],
+                                    [c * size for c in input_counts], description)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
+                description: DescriptionLike) -> Work:
+        ptr, count = tensor.data_ptr(), tensor.numel()
+        dtype, nccl_op = self._dtypes[tensor.dtype], self._ops[op]
+        return self._launch(
+            (tensor,), lambda comm, s: comm.reduce(ptr, ptr, count, dtype, nccl_op, dst, s),
+            description,
+        )
+
+    def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
+                description: DescriptionLike) -> Work:
+        # NCCL has no gather: sends to the root and, on it, one receive per rank, in a group.
+        n = input.numel() * input.element_size()
+        counts = [n if output is not None else 0] * self.world_size
+        sends = [n if peer == dst else 0 for peer in range(self.world_size)]
+        return self._exchange_bytes(output, input, counts, sends, description)
+
+    def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
+                 description: DescriptionLike) -> Work:
+        n = output.numel() * output.element_size()
+        sends = [n if input is not None else 0] * self.world_size
+        counts = [n if peer == src else 0 for peer in range(self.world_size)]
+        return self._exchange_bytes(output, input, counts, sends, description)
+
+    def _exchange_bytes(self, output: torch.Tensor | None, input: torch.Tensor | None,
+                        recv_bytes: list[int], send_bytes: list[int],
+                        description: DescriptionLike) -> Work:
+        """One group of sends and receives: ``send_bytes[p]`` bytes of ``input`` (consecutive,
+        rank order) to each peer ``p``, ``recv_bytes[p]`` into ``output`` from each."""
+        nccl, uint8 = self._nccl_mod, self._nccl_mod.NCCL_UINT8
+        send = 0 if input is None else input.data_ptr()
+        recv = 0 if output is None else output.data_ptr()
+
+        def call(comm: Any, stream: int) -> None:
+            nccl.groupStart()
+            try:
+                at_send = at_recv = 0
+                for peer, (n_send, n_recv) in enumerate(zip(send_bytes, recv_bytes,
+                                                            strict=True)):
+                    if n_send:
+                        comm.send(send + at_send, n_send, uint8, peer, stream)
+                    if n_recv:
+                        comm.recv(recv + at_recv, n_recv, uint8, peer, stream)
+                    at_send += n_send
+                    at_recv += n_recv
+            finally:
+                nccl.groupEnd()
+
+        tensors = tuple(t for t in (input, output) if t is not None)
+        return self._launch(tensors, call, description)
+
     def _barrier(self, description: DescriptionLike) -> Work:
         # An all-reduce of one element (record_stream keeps it alive until the side stream is done)
         return self._all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, description)

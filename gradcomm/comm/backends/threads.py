@@ -32,6 +32,15 @@ _REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] 
 }
 
 
+def _fold(reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+          parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` reduced in rank order (so every rank computes bit-identical results)."""
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc = reduce(acc, part)
+    return acc
+
+
 class _FutureWork(Work):
     def __init__(
         self,
@@ -158,10 +167,7 @@ class ThreadCommunicator(Communicator):
         reduce = _REDUCERS[op]
 
         def run() -> None:
-            parts = self.group._exchange(self.rank, tensor.clone())
-            acc = parts[0].clone()
-            for part in parts[1:]:
-                acc = reduce(acc, part)
+            acc = _fold(reduce, self.group._exchange(self.rank, tensor.clone()))
             with writing_into(tensor):  # grad mode is per thread: on in this worker
                 tensor.copy_(acc)
 
@@ -191,12 +197,65 @@ class ThreadCommunicator(Communicator):
 
         def run() -> None:
             parts = self.group._exchange(self.rank, input.clone())
-            mine = [p[self.rank * n:(self.rank + 1) * n] for p in parts]
-            acc = mine[0].clone()
-            for part in mine[1:]:
-                acc = reduce(acc, part)
+            acc = _fold(reduce, [p[self.rank * n:(self.rank + 1) * n] for p in parts])
             with writing_into(output):
                 output.copy_(acc)
+
+        return self._submit(run, description)
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+                    input_counts: list[int], description: DescriptionLike) -> Work:
+        def run() -> None:
+            parts = self.group._exchange(self.rank, input.clone())
+            counts = self.group._exchange(self.rank, torch.tensor(input_counts))
+            mine = []
+            for part, sent in zip(parts, counts, strict=True):
+                start = int(sent[: self.rank].sum())
+                mine.append(part[start:start + int(sent[self.rank])])
+            got = torch.cat(mine)
+            if got.numel() != output.numel():
+                raise ValueError(f"{description}: the peers sent {got.numel()} elements, "
+                                 f"output_split_sizes expect {output.numel()}")
+            with writing_into(output):
+                output.copy_(got)
+
+        return self._submit(run, description)
+
+    def _all_gather_v(self, output: torch.Tensor, input: torch.Tensor, counts: list[int],
+                      description: DescriptionLike) -> Work:
+        return self._all_gather(output, input, description)  # torch.cat takes uneven parts
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
+                description: DescriptionLike) -> Work:
+        reduce = _REDUCERS[op]
+
+        def run() -> None:
+            parts = self.group._exchange(self.rank, tensor.clone())
+            if self.rank == dst:
+                acc = _fold(reduce, parts)
+                with writing_into(tensor):
+                    tensor.copy_(acc)
+
+        return self._submit(run, description)
+
+    def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
+                description: DescriptionLike) -> Work:
+        def run() -> None:
+            parts = self.group._exchange(self.rank, input.clone())
+            if output is not None:
+                with writing_into(output):
+                    output.copy_(torch.cat(parts))
+
+        return self._submit(run, description)
+
+    def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
+                 description: DescriptionLike) -> Work:
+        def run() -> None:
+            mine = torch.zeros(0, dtype=output.dtype) if input is None else input.clone()
+            parts = self.group._exchange(self.rank, mine)
+            n = output.numel()
+            with writing_into(output):
+                output.copy_(parts[src][self.rank * n:(self.rank + 1) * n])
 
         return self._submit(run, description)
 

@@ -199,6 +199,36 @@ class TorchDistCommunicator(Communicator):
         work = self._pg().reduce_scatter([output], [chunks], _reduce_scatter_options(op))
         return self._wrap(work, description)
 
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+                    input_counts: list[int], description: DescriptionLike) -> Work:
+        # As bytes (any dtype); the counts are then byte counts along the 1-D views.
+        size = input.element_size()
+        work = self._pg().alltoall_base(flat_bytes(output), flat_bytes(input),
+                                        [c * size for c in output_counts],
+                                        [c * size for c in input_counts], dist.AllToAllOptions())
+        return self._wrap(work, description)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
+                description: DescriptionLike) -> Work:
+        opts = dist.ReduceOptions()
+        opts.reduceOp = dist.ReduceOp(_TORCH_OPS[op])
+        opts.rootRank = dst
+        return self._wrap(self._pg().reduce([tensor], opts), description)
+
+    def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
+                description: DescriptionLike) -> Work:
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        chunks = [] if output is None else [list(flat_bytes(output).chunk(self.world_size))]
+        return self._wrap(self._pg().gather(chunks, [flat_bytes(input)], opts), description)
+
+    def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
+                 description: DescriptionLike) -> Work:
+        opts = dist.ScatterOptions()
+        opts.rootRank = src
+        chunks = [] if input is None else [list(flat_bytes(input).chunk(self.world_size))]
+        return self._wrap(self._pg().scatter([flat_bytes(output)], chunks, opts), description)
+
     def _barrier(self, description: DescriptionLike) -> Work:
         # An all-reduce of one element: the same on every process group type.
         token = torch.zeros(1, device=self.device)

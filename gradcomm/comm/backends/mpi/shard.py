@@ -31,6 +31,7 @@ class MPIShardOps:
 
     if TYPE_CHECKING:  # provided by MPICommunicator
         world_size: int
+        _rank: int
         _timeout: float | None
 
         def _live_comm(self) -> MPIModule.Intracomm: ...
@@ -92,6 +93,48 @@ class MPIShardOps:
             lambda comm, b: comm.Ialltoallv([b[0], (send, sdisp), MPI.BYTE],
                                             [b[1], (recv, rdisp), MPI.BYTE]),
             description, (flat_bytes(input), True, False), (flat_bytes(output), False, True))
+
+    def _all_gather_v(self, output: torch.Tensor, input: torch.Tensor, counts: list[int],
+                      description: DescriptionLike) -> Work:
+        size = input.element_size()
+        recv = [c * size for c in counts]
+        disp = _displacements(recv)
+        return self._post(
+            lambda comm, b: comm.Iallgatherv([b[0], MPI.BYTE], [b[1], (recv, disp), MPI.BYTE]),
+            description, (flat_bytes(input), True, False), (flat_bytes(output), False, True))
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
+                description: DescriptionLike) -> Work:
+        if tensor.dtype in HALF:
+            wide = tensor.to(torch.float32)
+            work = self._reduce(wide, dst, op, description)
+            work.add_callback(lambda: tensor.copy_(wide))
+            return work
+        datatype, mop = self._datatype(tensor.dtype), mpi_op(op, tensor.dtype)
+        if self._rank == dst:
+            return self._post(lambda comm, b: comm.Ireduce(MPI.IN_PLACE, [b[0], datatype], mop,
+                                                           root=dst),
+                              description, (tensor, True, True))
+        return self._post(lambda comm, b: comm.Ireduce([b[0], datatype], None, mop, root=dst),
+                          description, (tensor, True, False))
+
+    def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
+                description: DescriptionLike) -> Work:
+        if output is None:
+            return self._post(lambda comm, b: comm.Igather([b[0], MPI.BYTE], None, root=dst),
+                              description, (flat_bytes(input), True, False))
+        return self._post(
+            lambda comm, b: comm.Igather([b[0], MPI.BYTE], [b[1], MPI.BYTE], root=dst),
+            description, (flat_bytes(input), True, False), (flat_bytes(output), False, True))
+
+    def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
+                 description: DescriptionLike) -> Work:
+        if input is None:
+            return self._post(lambda comm, b: comm.Iscatter(None, [b[0], MPI.BYTE], root=src),
+                              description, (flat_bytes(output), False, True))
+        return self._post(
+            lambda comm, b: comm.Iscatter([b[1], MPI.BYTE], [b[0], MPI.BYTE], root=src),
+            description, (flat_bytes(output), False, True), (flat_bytes(input), True, False))
 
 
 def _displacements(counts: list[int]) -> list[int]:
