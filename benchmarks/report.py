@@ -27,6 +27,7 @@ BASELINES = (
     ("allreduce.json", "All-reduce sweep"),
     ("collectives.json", "Sweep of the other collectives"),
     ("sendrecv.json", "Send/recv sweep"),
+    ("sharded_memory.json", "Sharded data parallel memory"),
 )
 PLOT = "allreduce_busbw.png"
 
@@ -218,8 +219,49 @@ def step_breakdown_table(doc: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+BUCKET_MIB = 25.0  # the bucket cap of every variant in sharded_memory.py
+
+
+def sharded_memory_table(doc: dict[str, Any]) -> list[str]:
+    """Markdown for a benchmarks/sharded_memory.py result: MiB and ms per rank (max over ranks),
+    each sharded variant checked against the targets (state <= DDP's / N + one bucket; stage 2
+    gradients <= DDP's / N + one bucket; step time <= 1.1 x DDP's)."""
+    meta = doc["meta"]
+    out = [
+        *provenance(meta),
+        f"Model {meta['model']} ({doc['sharded'][0]['params_m']:.1f}M parameters), "
+        f"{meta['optimizer']}; {meta['warmup']} warm-up + {meta['steps']} timed steps; per rank, "
+        "max over ranks. Targets are checked for the gradcomm-zero rows (bucket: 25 MiB).",
+        "",
+        "| backend | ranks | variant | opt. state MiB | grads MiB | comm buffers MiB "
+        "| peak RSS MiB | step ms | step / ddp | targets |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    ddp = {(r["backend"], r["world_size"]): r for r in doc["sharded"] if r["variant"] == "ddp"}
+    for r in doc["sharded"]:
+        base = ddp[(r["backend"], r["world_size"])]
+        n = r["world_size"]
+        ratio = r["step_ms"] / base["step_ms"]
+        verdict = ""
+        if r["variant"].startswith("gradcomm-zero"):
+            missed = []
+            if r["state_mib"] > base["state_mib"] / n + BUCKET_MIB:
+                missed.append("state")
+            if r["variant"].endswith("2") and r["grad_mib"] > base["grad_mib"] / n + BUCKET_MIB:
+                missed.append("grads")
+            if ratio > 1.1:
+                missed.append("time")
+            verdict = "met" if not missed else "missed: " + ", ".join(missed)
+        out.append(f"| {r['backend']} | {n} | {r['variant']} | {r['state_mib']:.1f} "
+                   f"| {r['grad_mib']:.1f} | {r['comm_mib']:.1f} | {r['peak_rss_mib']:.0f} "
+                   f"| {r['step_ms']:.0f} | {ratio:.2f} | {verdict} |")
+    return [*out, ""]
+
+
 def tables(doc: dict[str, Any]) -> list[str] | None:
     """The markdown of any benchmark result, or None for a file that is not one."""
+    if "sharded" in doc:
+        return sharded_memory_table(doc)
     if "results" in doc:
         return step_time_tables(doc)
     if "kinds" in doc:

@@ -28,6 +28,9 @@ rounding.
 
 ``--comm-hook`` picks how buckets are summed; ``--comm-hook powersgd`` compresses them with
 PowerSGD (rank ``--powersgd-rank``, after ``--powersgd-start-iter`` plain steps; docs/powersgd.md).
+``--zero 1`` / ``--zero 2`` train with :class:`gradcomm.ShardedOptimizer` (ZeRO stage 1: each rank
+keeps the optimizer state of its shard only; stage 2: the averaged gradients too; docs/sharded.md):
+same accuracy, less memory per rank.
 
 Output: rank 0 prints one line per epoch (training loss and accuracy, held-out accuracy), then
 ``final held-out accuracy: 0.XXXX``; it shows a tqdm progress bar on stderr. Log records (stderr)
@@ -104,6 +107,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-hook", default="allreduce",
                    choices=("allreduce", "fp16_compress", "bf16_compress", "powersgd"),
                    help="how gradient buckets are summed (default allreduce)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2),
+                   help="shard the optimizer: 0 none, 1 its state, 2 its state and the gradients "
+                        "(gradcomm.ShardedOptimizer stage; 2 needs --comm-hook allreduce)")
     p.add_argument("--powersgd-rank", type=int, default=2,
                    help="PowerSGD's matrix_approximation_rank (default 2)")
     p.add_argument("--powersgd-start-iter", type=int, default=10,
@@ -113,6 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--epochs, --batch-size and --hidden must be >= 1 and --lr a finite number > 0")
     if args.powersgd_rank < 1 or args.powersgd_start_iter < 0:
         p.error("--powersgd-rank must be >= 1 and --powersgd-start-iter >= 0")
+    if args.zero == 2 and args.comm_hook != "allreduce":
+        p.error("--zero 2 reduce-scatters the buckets: use it with --comm-hook allreduce")
     if args.device is not None:
         try:
             torch.device(args.device)
@@ -189,7 +197,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         reducer.register_comm_hook(args.comm_hook)
     log.info("gradient reducer: %d parameter(s) in %d bucket(s), comm hook %s",
              len(reducer.parameter_names), len(reducer.buckets), args.comm_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt: torch.optim.Optimizer
+    if args.zero:
+        # Each rank keeps the momentum (and with --zero 2 the averaged gradients) of its shard.
+        opt = gradcomm.ShardedOptimizer(reducer, torch.optim.SGD, stage=args.zero, lr=args.lr,
+                                        momentum=0.9)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     n = len(x_tr)
     if args.batch_size < ws:

@@ -27,7 +27,7 @@ from .comm import (
     init,
     register_backend,
 )
-from .hooks import GradientReducer, apply_gradient_allreduce
+from .hooks import GradientReducer, ShardedOptimizer, apply_gradient_allreduce
 
 # A library logs, it does not print; the application decides where records go (logging HOWTO,
 # "Configuring Logging for a Library").
@@ -50,4 +50,5 @@ __all__ = [
     "SlowPathWarning",
     "GradientReducer",
     "apply_gradient_allreduce",
+    "ShardedOptimizer",
 ]

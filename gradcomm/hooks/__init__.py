@@ -3,7 +3,8 @@
 :class:`GradientReducer` averages gradients across ranks during ``loss.backward()``;
 :func:`apply_gradient_allreduce` is the old one-call entry point; :mod:`.comm_hooks` holds the
 ways a bucket can be summed (plain all-reduce, fp16/bf16 compression, or your own), and
-:mod:`.powersgd` the PowerSGD low-rank compression hook.
+:mod:`.powersgd` the PowerSGD low-rank compression hook; :class:`ShardedOptimizer` shards the
+optimizer state and gradients across ranks (ZeRO stages 1 and 2).
 """
 
 from .comm_hooks import (
@@ -19,9 +20,11 @@ from .comm_hooks import (
 )
 from .powersgd import PowerSGDState, powersgd_hook
 from .reducer import BucketInfo, GradientReducer, apply_gradient_allreduce
+from .sharded import ShardedOptimizer
 
 __all__ = [
     "GradientReducer",
+    "ShardedOptimizer",
     "BucketInfo",
     "apply_gradient_allreduce",
     "CommHook",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,9 +46,11 @@ __all__ = ["BackwardPass", "CommHookSlot", "write_back"]
 logger = logging.getLogger("gradcomm.hooks")
 
 def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: ControlTensor,
-               overlapping: frozenset[int], divide_by_initial_world_size: bool) -> None:
+               overlapping: frozenset[int], divide_by_initial_world_size: bool,
+               sink: Callable[[Bucket, list[float]], None] | None = None) -> None:
     """Write the averages back: the sums divided by the number of ranks that contributed (all
-    but the joined ones, see GradientReducer.join; or by world_size)."""
+    but the joined ones, see GradientReducer.join; or by world_size). A ``sink`` (a sharded
+    optimizer's) takes each bucket, with its parameters' summed presence flags, instead."""
     summed, steps = control.summed(), control.steps()
     n = len(steps) - steps.count(0.0)  # joined ranks send 0
     rescale = n != len(steps) and not divide_by_initial_world_size
@@ -56,7 +59,10 @@ def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: Con
         if rescale:  # pre * post == number of contributing ranks for this step
             b.post = n / b.pre
         try:
-            b.write_back(summed[lo:hi], overlapping)
+            if sink is None:
+                b.write_back(summed[lo:hi], overlapping)
+            else:
+                sink(b, summed[lo:hi])
         finally:
             b.post = post
 
@@ -147,6 +153,9 @@ class BackwardPass:
         # Why reduction stopped for good (a collective of some backward pass failed or timed out).
         self.failed: str | None = None
         self.checked = False  # module checked for replaced params since the last backward
+        # Takes each reduced bucket instead of its write_back (a ShardedOptimizer of stage 2 keeps
+        # only this rank's shard): sink(bucket, summed presence flags of its parameters).
+        self.sink: Callable[[Bucket, list[float]], None] | None = None
         self.token: weakref.ref[BackwardEnd] = weakref.ref(BackwardEnd(self))  # dead
 
     # ------------------------------------------------------------------ forward
@@ -300,7 +309,7 @@ class BackwardPass:
             out_of_step = None if failed_elsewhere else step_mismatch(control.steps())
             if not failed_elsewhere and out_of_step is None:
                 write_back(self.buckets, self._spans, control, self.overlapping,
-                           self.divide_by_initial_world_size)
+                           self.divide_by_initial_world_size, self.sink)
         except BaseException as exc:
             if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
                 self.mark_failed(f"{type(exc).__name__}: {exc}")

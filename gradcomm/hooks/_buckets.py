@@ -28,7 +28,7 @@ from ..comm.work import Work
 from .comm_hooks import GradBucket
 
 __all__ = ["BucketInfo", "SharedBucket", "InPlaceBucket", "Bucket", "assign_buckets",
-           "bucket_strides", "overlapping_grads"]
+           "bucket_strides", "dense_strides", "overlapping_grads"]
 
 #: ``(registration index, name, parameter)`` of one trainable parameter.
 Entry = tuple[int, str, nn.Parameter]
@@ -71,16 +71,16 @@ class BucketInfo:
     in_place: bool = False
 
 
-def _dense_strides(p: torch.Tensor) -> tuple[int, ...]:
+def dense_strides(p: torch.Tensor) -> tuple[int, ...]:
     """The strides of ``p``'s view in a shared bucket: dense, in ``p``'s memory order (as
     ``torch.empty_like`` makes them; channels_last stays channels_last, like DDP's views)."""
     return tuple(torch.empty_like(p, device="meta").stride())
 
 
 def bucket_strides(p: torch.Tensor) -> tuple[int, ...]:
-    """:func:`_dense_strides` as the cross-rank fingerprint compares them: 0 for dims of size 1,
+    """:func:`dense_strides` as the cross-rank fingerprint compares them: 0 for dims of size 1,
     whose stride does not change where any element lies."""
-    return tuple(st if n > 1 else 0 for n, st in zip(p.shape, _dense_strides(p), strict=True))
+    return tuple(st if n > 1 else 0 for n, st in zip(p.shape, dense_strides(p), strict=True))
 
 
 def assign_buckets(
@@ -206,14 +206,23 @@ class SharedBucket(_BucketBase):
                  last: bool, view: bool) -> None:
         super().__init__(index, params, factors, last)
         self.view = view
-        self.flat = self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        offset = 0
-        for p in self.params:
-            self.views.append(self.data.as_strided(p.shape, _dense_strides(p), offset))
-            offset += p.numel()
+        self.pad_to(self.numel)
         self.present = [False] * len(self.params)  # this rank has a gradient (this backward)
         self.slot_state = [_EMPTY] * len(self.params)  # gradient_as_bucket_view only
-        self.grad_bucket = GradBucket(index, self.flat, self.numel, self.params, self.names, last)
+
+    def pad_to(self, total: int) -> None:
+        """(Re)allocate the buffer as ``total >= numel`` zeros: ``data`` is all of it, ``flat`` its
+        first ``numel`` elements (a reduce-scatter needs a multiple of world_size). Only before
+        the first backward pass: the views are made anew."""
+        self.data = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.flat = self.data[: self.numel]
+        self.views = []
+        offset = 0
+        for p in self.params:
+            self.views.append(self.data.as_strided(p.shape, dense_strides(p), offset))
+            offset += p.numel()
+        self.grad_bucket = GradBucket(self.index, self.flat, self.numel, self.params, self.names,
+                                      self.last)
         # Small gradients are staged at the send, all in one call (see stage_batched); each
         # large one by its own hook (eager[slot]), which copies and divides it in one pass.
         # (Complex ones one by one too: autograd may make a lazy conjugate .grad, which foreach

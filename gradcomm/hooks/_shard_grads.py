@@ -1,0 +1,133 @@
+"""Gradients of a :class:`~gradcomm.hooks.ShardedOptimizer`: where each rank's shard of the averaged
+gradients comes from, and the global-norm clipping computed from shards.
+
+Stage 1 reads the shard out of ``param.grad`` (the reducer all-reduced it as usual). Stage 2
+(:class:`ReduceScatterGrads`) turns the reducer's all-reduce into a reduce-scatter: its comm hook
+:func:`reduce_scatter_hook` sums each bucket into this rank's shard only, and its sink replaces the
+reducer's write-back -- the shard is averaged (post-divided) and kept, added to what an earlier
+synchronised backward since ``zero_grad`` left (as gradients accumulate in ``param.grad``), and
+every ``param.grad`` of the bucket is set to None.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm.communicator import Communicator
+from ..comm.types import ReduceOp
+from ..comm.work import Work
+from ._buckets import Bucket
+from ._shard_layout import BucketShard, flat_of
+from .comm_hooks import GradBucket, warn_if_slow
+
+__all__ = ["ReduceScatterGrads", "reduce_scatter_hook", "attach_grads", "clip_grad_norm"]
+
+
+class ReduceScatterGrads:
+    """State of :func:`reduce_scatter_hook` and the reducer's sink in stage 2 (see the module)."""
+
+    def __init__(self, comm: Communicator, shards: list[BucketShard]) -> None:
+        self.comm = comm
+        self.shards = shards
+
+    def launch(self, bucket: GradBucket) -> Work:
+        """Start the reduce-scatter (SUM) of one bucket into this rank's shard."""
+        bs = self.shards[bucket.bucket_index]
+        b = bs.bucket
+        if b.in_place:  # the gradient itself, in its logical order: the padded flat layout
+            inp = torch.zeros(bs.padded, dtype=b.dtype, device=b.device)
+            bs.unpack(inp, 0).copy_(bucket.buffer().view(b.params[0].shape))
+        else:
+            inp = b.data  # padded by the ShardedOptimizer (SharedBucket.pad_to)
+        # A pass that failed (its sink never ran) leaves ``filled`` False: overwritten, not added.
+        accumulate = bs.filled and bs.grad is not None
+        if accumulate or bs.grad is None:
+            out = torch.empty(bs.chunk, dtype=b.dtype, device=b.device)
+        else:
+            out = bs.grad
+        if bs.grad is None:
+            bs.grad = out
+        bs.pending = (out, accumulate)
+        warn_if_slow(self.comm, b.dtype, b.device)
+        return self.comm.reduce_scatter(out, inp, ReduceOp.SUM, async_op=True,
+                                        label=bucket.label())
+
+    def sink(self, b: Bucket, flags: list[float]) -> None:
+        """Average the reduced shard (and add it to the kept one), note which parameters have a
+        gradient on some rank, and drop the bucket's full gradients."""
+        bs = self.shards[b.index]
+        assert bs.pending is not None and bs.grad is not None  # set by launch
+        out, accumulate = bs.pending
+        bs.pending = None
+        with torch.no_grad():
+            if b.post != 1.0:
+                out.div_(b.post)
+            if accumulate:
+                bs.grad.add_(out)
+        bs.filled = True
+        for slot, p in enumerate(b.params):
+            bs.present[slot] = bs.present[slot] or flags[slot] > 0
+            p.grad = None
+
+
+def reduce_scatter_hook(state: ReduceScatterGrads, bucket: GradBucket) -> Work:
+    """Comm hook of a stage-2 :class:`~gradcomm.hooks.ShardedOptimizer`: reduce-scatter (SUM) the
+    bucket into this rank's shard (``Communicator.reduce_scatter``)."""
+    return state.launch(bucket)
+
+
+def attach_grads(shards: list[BucketShard], stage: int) -> None:
+    """Give every segment its averaged gradient as ``.grad`` (None where the parameter has none,
+    so the optimizer skips it as an unsharded one would).
+
+    Stage 1: a view of ``param.grad`` (a copy when the gradient lies in another memory order);
+    stage 2: a view of the kept shard.
+    """
+    for bs in shards:
+        for s in bs.segments:
+            if stage == 1:
+                g = s.param.grad
+                s.tensor.grad = None if g is None else flat_of(g, s.param)[s.lo:s.hi]
+            elif bs.grad is not None and bs.filled and bs.present[s.slot]:
+                s.tensor.grad = bs.grad[s.start:s.start + s.hi - s.lo]
+            else:
+                s.tensor.grad = None
+
+
+def clip_grad_norm(comm: Communicator, shards: list[BucketShard], stage: int, max_norm: float,
+                   norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """Clip the gradients by their global ``norm_type`` norm, computed from the shards with one
+    one-element all-reduce (SUM of ``|g|^p``, MAX for ``inf``), as
+    ``torch.nn.utils.clip_grad_norm_`` would on the full gradients (coefficient
+    ``max_norm / (norm + 1e-6)``, applied when below 1). Returns the norm (float32, 0-d).
+
+    Stage 1 scales every ``param.grad`` (they are full on every rank), stage 2 the kept shards.
+    """
+    attach_grads(shards, stage)
+    grads = [s.tensor.grad for bs in shards for s in bs.segments if s.tensor.grad is not None]
+    inf = math.isinf(norm_type)
+    dev = comm.device
+    local = torch.zeros(1, dtype=torch.float64, device=dev)
+    for g in grads:
+        n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
+        local = torch.maximum(local, n) if inf else local + n ** norm_type
+    comm.all_reduce(local, ReduceOp.MAX if inf else ReduceOp.SUM)
+    total = (local if inf else local ** (1.0 / norm_type)).to(torch.float32).reshape(())
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite; "
+                           "set error_if_nonfinite=False to clip anyway")
+    coef = float(max_norm) / (float(total) + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            if stage == 1:
+                for bs in shards:
+                    for p in bs.bucket.params:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+            else:
+                for bs in shards:
+                    if bs.grad is not None:
+                        bs.grad.mul_(coef)
+    return total
