@@ -305,6 +305,24 @@ def check_objects(comm: Communicator) -> int:
     return checks + 4
 
 
+def check_supports(comm: Communicator) -> int:
+    """``supports(..., collective=...)`` names what this backend emulates."""
+    from gradcomm.comm import Collective, SupportLevel
+
+    ask = comm.supports
+    uneven = ask(torch.float32, collective=Collective.ALL_GATHER_V)
+    padded = comm.backend in ("gloo", "nccl", "cupy-nccl")
+    want = SupportLevel.EMULATED_SLOW if padded else SupportLevel.NATIVE
+    assert uneven.level is want, (comm.backend, uneven)
+    assert ask(torch.uint16, collective="all_to_all").is_supported  # moved as bytes
+    assert not ask(torch.complex64, collective="reduce_scatter").is_supported
+    half = ask(torch.float16, collective="reduce_scatter")
+    if comm.backend == "mpi":
+        assert half.is_slow and half.transfer_dtype == torch.float32, half
+    assert ask(torch.float32, collective="reduce").level is SupportLevel.NATIVE
+    return 5
+
+
 def _expect_all(cases: list[tuple[type[Exception], Callable[[], object]]]) -> int:
     for i, (kind, call) in enumerate(cases):
         try:
@@ -324,7 +342,8 @@ def run_all(comm: Communicator, dtypes: list[torch.dtype]) -> dict[str, int]:
     """Every case on ``comm``; returns the number of checks per collective. A bad-input check
     runs between good collectives, so a rank that had issued a transfer would desynchronise."""
     counts = {"bad": check_bad_reduce_scatter(comm) + check_bad_all_to_all(comm)
-              + check_bad_rooted(comm) + check_bad_all_gather_uneven(comm)}
+              + check_bad_rooted(comm) + check_bad_all_gather_uneven(comm),
+              "supports": check_supports(comm)}
     counts["reduce_scatter"] = check_reduce_scatter(comm, dtypes)
     counts["all_to_all"] = check_all_to_all(comm, dtypes)
     counts["rooted"] = check_rooted(comm, dtypes)

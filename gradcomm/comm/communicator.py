@@ -1,16 +1,19 @@
 """The abstract collective interface every backend implements.
 
-Every public collective (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``) takes one
-path: its arguments are checked on every rank before any transport call
-(:mod:`~gradcomm.comm.validation`), so bad input raises the same error everywhere instead of
-hanging; what is common to all backends is handled here -- world_size 1 (no collective at all),
-non-contiguous tensors (copy-in/copy-out, :mod:`~gradcomm.comm.tensors`), ``ReduceOp.AVG`` on
-backends without a native average and complex tensors (:mod:`~gradcomm.comm.emulation`) -- and
-:meth:`Communicator._issue` hands contiguous tensors to one backend hook per collective
+Every public collective -- ``all_reduce``, ``broadcast``, ``all_gather``, ``barrier`` here;
+``reduce_scatter`` and ``all_to_all`` (:mod:`~gradcomm.comm.shard_ops`), ``reduce``, ``gather``
+and ``scatter`` (:mod:`~gradcomm.comm.rooted_ops`) and the object collectives
+(:mod:`~gradcomm.comm.object_ops`) in mixins -- takes one path: its arguments are checked on
+every rank before any transport call (:mod:`~gradcomm.comm.validation`), so bad input raises the
+same error everywhere instead of hanging; what is common to all backends is handled in the base
+classes -- world_size 1 (no collective at all), non-contiguous tensors (copy-in/copy-out,
+:mod:`~gradcomm.comm.tensors`), ``ReduceOp.AVG`` on backends without a native average and
+complex tensors (:mod:`~gradcomm.comm.emulation`) -- and ``_issue``
+(:mod:`~gradcomm.comm.issue`) hands contiguous tensors to one backend hook per collective
 (``_all_reduce``, ``_broadcast``, ...), in the manner of ``cupyx.distributed``'s communicator base
 class, tells the profiler, and lets a timed-out collective block the next ones
 (:mod:`~gradcomm.comm.stalls`). A new collective is a check in ``validation``, a public method
-that calls ``_issue``, and one hook per backend.
+that calls ``_issue`` (in a mixin module), and one hook per backend.
 """
 
 from __future__ import annotations

@@ -143,3 +143,55 @@ def test_rooted_uneven_and_object_collectives_on_a_device_communicator() -> None
     assert r0[3] == r1[3] == [5.0, 6.0, 6.0]
     assert r0[4] == "emulated-slow"  # the base class pads: said so by supports()
     assert r0[5] == r1[5] == [{"r": 0}, {"r": 1}]
+
+
+class _DoneWork:
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _RecordingGroup:
+    """A ProcessGroupNCCL stand-in that records which of its methods each collective calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def call(*args: Any) -> _DoneWork:
+            self.calls.append((name, *args))
+            return _DoneWork()
+
+        return call
+
+
+def test_nccl_takes_the_process_groups_own_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradcomm.comm.backends import nccl, torch_dist
+    from gradcomm.comm.rendezvous import Rendezvous
+
+    install(monkeypatch)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch_dist, "rendezvous",
+                        lambda *a, **k: Rendezvous(store=None, bind_address=None, interface=None))
+    group = _RecordingGroup()
+    monkeypatch.setattr(nccl.NCCLCommunicator, "_make_group", lambda self, *a: group)
+    comm = nccl.NCCLCommunicator(LaunchInfo(0, 2, 0, 1, Launcher.EXPLICIT), timeout=5.0)
+    x, big = _cuda(torch.ones(3)), _cuda(torch.ones(6))
+    comm.reduce_scatter(x, big, "avg")  # ncclAvg: native, one call
+    comm.all_to_all(big, _cuda(torch.ones(6)), [1, 5], [4, 2])
+    comm.reduce(x, 1, "max")
+    comm.gather(big, x, 0)
+    comm.scatter(x, None, 1)
+    names = [c[0] for c in group.calls]
+    assert names == ["reduce_scatter", "alltoall_base", "reduce", "gather", "scatter"]
+    rs = group.calls[0]
+    assert rs[1][0].data_ptr() == x.data_ptr() and len(rs[2][0]) == 2
+    assert rs[3].reduceOp == dist.ReduceOp.AVG
+    assert group.calls[1][3:5] == ([4, 20], [16, 8])  # split sizes as bytes (float32)
+    assert group.calls[4][2] == [] and group.calls[4][3].rootRank == 1  # not the root
+    comm.close()
