@@ -43,7 +43,8 @@ def test_top_level_exports_at_most_15_names_that_all_resolve() -> None:
                                     "gradcomm.bench"])
 def test_submodules_import_and_export_what_they_list(module: str) -> None:
     mod = importlib.import_module(module)
-    assert len(mod.__all__) <= 20, (module, mod.__all__)
+    # gradcomm.comm is the whole collective interface (ops, P2POp, Collective, DebugLevel, ...)
+    assert len(mod.__all__) <= 24, (module, mod.__all__)
     for name in mod.__all__:
         assert hasattr(mod, name), (module, name)
 

@@ -7,6 +7,7 @@ ways a bucket can be summed (plain all-reduce, fp16/bf16 compression, or your ow
 optimizer state and gradients across ranks (ZeRO stages 1 and 2).
 """
 
+from ._apply import apply_gradient_allreduce
 from .comm_hooks import (
     CommHook,
     CommHookFn,
@@ -19,7 +20,7 @@ from .comm_hooks import (
     fp16_compress_wrapper,
 )
 from .powersgd import PowerSGDState, powersgd_hook
-from .reducer import BucketInfo, GradientReducer, apply_gradient_allreduce
+from .reducer import BucketInfo, GradientReducer
 from .sharded import ShardedOptimizer
 
 __all__ = [

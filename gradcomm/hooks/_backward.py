@@ -124,11 +124,9 @@ class BackwardPass:
             for slot, pid in enumerate(b.param_ids):
                 self.loc[pid] = (b.index, slot)
         self.in_place = [b for b in buckets if b.in_place]
-        # Hooks launch the shared buckets below this index; the rest go at the end of backward.
-        # At least one bucket waits for the end-of-backward callback (the last shared one when
-        # there is no in-place bucket), so a gradient accumulated again after its last hook
-        # (reentrant checkpointing near the input) is staged again rather than refused. Costs
-        # nothing where the last gradient is among the last things backward computes.
+        # Hooks launch the shared buckets below this index; at least one waits for the end of
+        # backward, so a gradient accumulated again after its last hook (reentrant checkpointing
+        # near the input) is staged again rather than refused.
         shared = len(buckets) - len(self.in_place)
         self.hook_launch_limit = shared if self.in_place else max(shared - 1, 0)
         self.control = ControlTensor(comm, [len(b.params) for b in buckets])
@@ -168,9 +166,9 @@ class BackwardPass:
         in_backward = current_autograd_node() is not None  # a recompute (checkpointing)
         if torch.is_grad_enabled() and not in_backward:
             self.steps.forwards += 1  # the step state (see _steps): no collective
-        # As DDP: only a forward that will be followed by a synchronised backward broadcasts, so
-        # an evaluation under torch.no_grad() on some ranks only (or one inside no_sync) issues
-        # no collective; a recompute inside backward (checkpointing) does not either.
+        # Unlike DDP (which broadcasts before every forward), only a forward that will be followed
+        # by a synchronised backward broadcasts, so an evaluation under torch.no_grad() on some
+        # ranks only (or one inside no_sync) issues no collective, nor does a recompute.
         if (self.broadcast_buffers and self.require_sync and torch.is_grad_enabled()
                 and not in_backward and self.failed is None):
             # From the lowest rank that contributed to the last step (rank 0 unless it joined).

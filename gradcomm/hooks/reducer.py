@@ -95,7 +95,6 @@ from .comm_hooks import (
 __all__ = [
     "GradientReducer",
     "BucketInfo",
-    "apply_gradient_allreduce",
     "default_predivide_factor",
     "resolve_first_bucket_cap_mb",
     "resolve_in_place_min_mb",
@@ -232,15 +231,9 @@ class GradientReducer:
         RuntimeError: ``comm`` is closed; a parameter is reduced by another reducer that was not
             removed (``remove()``).
 
-    Gradient hooks of your own that change ``param.grad`` (per-parameter clipping, noise) must be
-    registered (``register_post_accumulate_grad_hook``) before the reducer is constructed: they
-    then run before the reducer's hook, and what they leave in ``param.grad`` is what is reduced,
-    on every path. A hook registered after it runs once the gradient was taken: in a shared
-    bucket a change to a large gradient is lost (the copy was already made; with
-    ``gradient_as_bucket_view`` it may even read ``param.grad`` as None), one to a small gradient
-    or in an in-place bucket is summed, so the result would depend on sizes and
-    ``in_place_min_mb``, hence on the backend. Such hooks should only read. (In DDP
-    they run before its reducer whatever the order, as it hooks the gradient accumulator node.)
+    Gradient hooks of your own that change ``param.grad`` (clipping, noise) must be registered
+    before the reducer is constructed, so they run before its hook; one registered after it
+    should only read (docs/reducer.md, "Gradient hooks of your own").
 
     The module is not wrapped: a copy of it (``copy.deepcopy``, ``torch.save`` of the whole module)
     is an ordinary local module whose gradients are not reduced, like the ``.module`` of a DDP
@@ -395,14 +388,10 @@ class GradientReducer:
     def join(self, divide_by_initial_world_size: bool = False) -> AbstractContextManager[None]:
         """Context for uneven inputs: wrap the training loop in it on every rank (DDP's ``join()``).
 
-        A rank whose loop ends first shadows the others' synchronised steps on leaving the block
-        until every rank has; then every rank gets the model of a rank that ran every step (no
-        collective added per step; docs/reducer.md, "Uneven inputs").
-
-        Args:
-            divide_by_initial_world_size: False: a step's gradient is averaged over the ranks
-                that contributed to it; True: the sum is divided by ``world_size`` (DDP's
-                default). The same on every rank.
+        A rank whose loop ends first shadows the others' synchronised steps until every rank has
+        left the block; then all get the model of a rank that ran every step (docs/reducer.md).
+        ``divide_by_initial_world_size``: False averages a step over the ranks that contributed;
+        True divides by ``world_size`` (DDP's default). The same on every rank.
 
         Raises:
             TypeError: ``divide_by_initial_world_size`` is not a bool.
@@ -479,31 +468,3 @@ class GradientReducer:
     def __repr__(self) -> str:
         return (f"<GradientReducer {len(self._params)} params in {len(self._buckets)} buckets, "
                 f"{self._comm.backend} rank {self._comm.rank}/{self._comm.world_size}>")
-
-
-def apply_gradient_allreduce(module: nn.Module, comm: Communicator | None = None) -> nn.Module:
-    """Attach gradient averaging to ``module`` and return it (the old NVIDIA entry point).
-
-    Drop-in for the ``apply_gradient_allreduce(module)`` of NVIDIA's tacotron2/waveglow
-    ``distributed.py``: parameters are broadcast from rank 0 and every ``loss.backward()`` ends with
-    averaged gradients. Applying it again to the same module (with no ``comm``, or the same one)
-    returns the module unchanged: one reducer, each bucket sent once. The
-    :class:`GradientReducer` doing it (default options) is stored as
-    ``module.gradient_reducer``; a ``copy.deepcopy`` or ``torch.save`` of the module is a local
-    module whose ``gradient_reducer`` is None.
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
-        RuntimeError: the module's ``gradient_reducer`` uses another communicator.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    old = getattr(module, "gradient_reducer", None)
-    if isinstance(old, GradientReducer) and old.module is module and not old._backward.removed:
-        if comm is None or comm is old.comm:
-            return module  # applied again (tacotron2's train.py does): keep the one reducer
-        raise RuntimeError("apply_gradient_allreduce: the module already has a gradient_reducer "
-                           "on another communicator; call module.gradient_reducer.remove() first")
-    reducer = GradientReducer(module, comm)
-    object.__setattr__(module, "gradient_reducer", reducer)
-    return module

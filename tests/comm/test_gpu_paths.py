@@ -21,7 +21,7 @@ from fake_cuda import Log, install, install_cupy
 from fake_device import FakeDeviceTensor
 
 from gradcomm import CollectiveTimeoutError, ReduceOp
-from gradcomm.comm import Launcher, LaunchInfo, consistency, cuda_packages
+from gradcomm.comm import Launcher, LaunchInfo, cuda_packages
 from gradcomm.comm.backends import cupy_nccl, mpi_device, nccl, torch_dist
 from gradcomm.comm.rendezvous import Rendezvous
 
@@ -71,12 +71,9 @@ def test_cupy_nccl_runs_on_its_own_stream_ordered_like_process_group_nccl(cupy_c
 
 
 def test_cupy_nccl_all_gather_records_both_buffers_and_wait_polls_the_event(
-    cupy_comm: Any, monkeypatch: pytest.MonkeyPatch,
+    cupy_comm: Any,
 ) -> None:
     comm, fake, _ = cupy_comm
-    # the all_gather alone: its size check (an all-gather waited at once) would wait on events
-    # this test completes by hand (its device path: the test below)
-    monkeypatch.setattr(consistency, "ALWAYS_CHECKED", frozenset())
     fake.events_complete = False
     src, out = _cuda(torch.ones(3)), _cuda(torch.zeros(6))
     work = comm.all_gather(out, src, async_op=True)

@@ -70,10 +70,10 @@ from ...communicator import Communicator, flat_bytes
 from ...errors import BackendUnavailableError
 from ...launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
 from ...mpi_abort import abort_on_error_enabled, install_abort_hook
-from ...split import SplitPlan
 from ...types import ReduceOp, Support
 from ...work import DescriptionLike, Work
 from .dtypes import HALF, MPI_BUFFER, SUM_FAST, mpi_op, predefined_datatype
+from .groups import MPIGroupOps
 from .ops16 import half_op, uses_user_op
 from .scratch import ScratchPool
 from .shard import MPIShardOps
@@ -88,7 +88,7 @@ __all__ = ["MPICommunicator"]
 logger = logging.getLogger("gradcomm.comm.mpi")
 
 
-class MPICommunicator(MPIShardOps, Communicator):
+class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
     """Collectives through mpi4py on a private duplicate of ``MPI.COMM_WORLD``.
 
     Args:
@@ -316,40 +316,6 @@ class MPICommunicator(MPIShardOps, Communicator):
 
     def _barrier(self, description: DescriptionLike) -> Work:
         return self._work(self._live_comm().Ibarrier(), description, ())
-
-    # ------------------------------------------------------------------ point-to-point
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
-        wire = flat_bytes(tensor)
-        buf, _ = self._prepare(wire, write=False)  # staged in (device), nothing to copy back
-        return MPIWork(self._live_comm().Isend([buf, MPI.BYTE], dst, tag), description,
-                       self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight)
-
-    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
-        wire = flat_bytes(tensor)
-        buf, finish = self._prepare(wire, read=False)
-        work = MPIWork(self._live_comm().Irecv([buf, MPI.BYTE], src, tag), description,
-                       self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight,
-                       expect_bytes=wire.numel())
-        if finish is not None:
-            work.add_callback(finish)
-        return work
-
-    # ------------------------------------------------------------------ sub-communicators
-    def _split_child(self, plan: SplitPlan) -> MPICommunicator | None:
-        """``Comm.Split`` of this communicator (every rank calls it; non-members get None)."""
-        color = MPI.UNDEFINED if plan.color is None else plan.color
-        comm = self._live_comm().Split(color, plan.rank)
-        if plan.color is None:
-            return None
-        child = object.__new__(type(self))  # this backend's state over the new comm
-        Communicator.__init__(child, rank=plan.rank, world_size=len(plan.members),
-                              local_rank=plan.local_rank, device=self.device,
-                              timeout=self._timeout)
-        child._attach(LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
-                                 plan.local_world_size, Launcher.EXPLICIT), comm)
-        child._adapter, child._cuda_aware = self._adapter, self._cuda_aware
-        child._cuda_reason = self._cuda_reason
-        return child
 
     def _close(self) -> None:
         comm, self._comm = self._comm, None

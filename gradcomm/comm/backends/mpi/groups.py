@@ -1,0 +1,75 @@
+"""Point-to-point transfers (``Isend``/``Irecv`` of the tensor's bytes) and sub-communicators
+(``Comm.Split``) over MPI: a mixin of :class:`~gradcomm.comm.backends.mpi.MPICommunicator`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from mpi4py import MPI
+
+from ...communicator import Communicator
+from ...launcher import Launcher, LaunchInfo
+from ...split import SplitPlan
+from ...tensors import flat_bytes
+from ...work import DescriptionLike, Work
+from .work import MPIWork
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mpi4py import MPI as MPIModule
+
+__all__ = ["MPIGroupOps"]
+
+
+class MPIGroupOps:
+    """send/recv and split over MPI (see the module docstring)."""
+
+    if TYPE_CHECKING:  # provided by MPICommunicator
+        device: torch.device
+        _timeout: float | None
+        _inflight: list[MPIWork]
+        _adapter: Any
+        _cuda_aware: bool
+        _cuda_reason: str
+
+        def _live_comm(self) -> MPIModule.Intracomm: ...
+        def _prepare(self, wire: torch.Tensor, *, read: bool = True,
+                     write: bool = True) -> tuple[object, Callable[[], None] | None]: ...
+        def _attach(self, launch: LaunchInfo, comm: MPIModule.Comm) -> None: ...
+
+    # ------------------------------------------------------------------ point-to-point
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
+        wire = flat_bytes(tensor)
+        buf, _ = self._prepare(wire, write=False)  # staged in (device), nothing to copy back
+        return MPIWork(self._live_comm().Isend([buf, MPI.BYTE], dst, tag), description,
+                       self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
+        wire = flat_bytes(tensor)
+        buf, finish = self._prepare(wire, read=False)
+        work = MPIWork(self._live_comm().Irecv([buf, MPI.BYTE], src, tag), description,
+                       self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight,
+                       expect_bytes=wire.numel())
+        if finish is not None:
+            work.add_callback(finish)
+        return work
+
+    # ------------------------------------------------------------------ sub-communicators
+    def _split_child(self, plan: SplitPlan) -> Communicator | None:
+        """``Comm.Split`` of this communicator (every rank calls it; non-members get None)."""
+        color = MPI.UNDEFINED if plan.color is None else plan.color
+        comm = self._live_comm().Split(color, plan.rank)
+        if plan.color is None:
+            return None
+        child = object.__new__(type(self))  # this backend's state over the new comm
+        assert isinstance(child, Communicator)  # MPIGroupOps is only a base of MPICommunicator
+        Communicator.__init__(child, rank=plan.rank, world_size=len(plan.members),
+                              local_rank=plan.local_rank, device=self.device,
+                              timeout=self._timeout)
+        child._attach(LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
+                                 plan.local_world_size, Launcher.EXPLICIT), comm)
+        child._adapter, child._cuda_aware = self._adapter, self._cuda_aware
+        child._cuda_reason = self._cuda_reason
+        return child
