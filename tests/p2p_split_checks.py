@@ -1,8 +1,8 @@
 """Point-to-point and split checks run on every rank of a real communicator (gloo, mpi, threads).
 
 Each rank's data is a known function of (rank, dtype, tag), so every rank computes what it must
-receive itself (a single-process torch reference). Used by ``tests/comm/test_p2p_split.py``
-(spawned gloo ranks, the thread backend) and ``tests/mpi_scripts/p2p_split.py`` (mpiexec).
+receive itself (a single-process torch reference). :func:`every_case` is the case
+``tests/comm/test_p2p_split.py`` runs on every backend through ``ranks.RankRunner``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from gradcomm.comm import Communicator, P2POp
 
-__all__ = ["run_p2p_checks", "run_split_checks", "expect_error"]
+__all__ = ["run_p2p_checks", "run_split_checks", "expect_error", "every_case"]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8,
           torch.uint8, torch.bool]
@@ -211,3 +211,31 @@ def run_hierarchical_checks(comm: Communicator) -> int:
             checks += 2
     hier.close()
     return checks
+
+
+def _mpi_checks(comm: Communicator) -> int:
+    """MPI only: a shorter message is accepted by MPI and refused by the receive's count check;
+    then the point-to-point checks through the device-buffer path without a GPU."""
+    from coll_cases import device_adapters
+
+    checks = 0
+    if comm.world_size > 1:
+        if comm.rank == 0:
+            comm.send(torch.zeros(3), 1)
+        elif comm.rank == 1:
+            work = comm.recv(torch.zeros(4), 0, async_op=True)
+            expect_error(RuntimeError, work.wait, "received 12 bytes")
+        checks += 1
+    for adapter in device_adapters():
+        comm._adapter = adapter  # type: ignore[attr-defined]
+        checks += run_p2p_checks(comm)
+    comm._adapter = None  # type: ignore[attr-defined]
+    return checks
+
+
+def every_case(comm: Communicator) -> int:
+    """Every check on ``comm`` (on mpi also :func:`_mpi_checks`), closing it last; the count."""
+    checks = run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
+    if comm.backend == "mpi":
+        checks += _mpi_checks(comm)
+    return checks + check_children_closed(comm)

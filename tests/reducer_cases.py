@@ -840,8 +840,12 @@ def verify_raised_on_one_rank(results: list[Result], world_size: int) -> Problem
 
 
 # ----------------------------------------------------------------------------- registry
-CASES: dict[str, tuple[Callable[[gradcomm.Communicator], Result],
-                       Callable[[list[Result], int], Problems]]] = {
+#: A case registry: name -> (run(comm) -> result, verify(results, world_size) -> problems).
+Cases = dict[str, tuple[Callable[[gradcomm.Communicator], Result],
+                        Callable[[list[Result], int], Problems]]]
+
+
+CASES: Cases = {
     "fingerprint": (run_fingerprint, verify_fingerprint),
     "no_sync": (run_no_sync, verify_no_sync),
     "several_backwards": (run_several_backwards, verify_several_backwards),
@@ -857,30 +861,37 @@ CASES: dict[str, tuple[Callable[[gradcomm.Communicator], Result],
 }
 
 
-def run_cases(comm: gradcomm.Communicator, names: list[str]) -> dict[str, Result]:
-    """Run the named cases in order on this rank; a case that raises records ``("raised", ...)``."""
+def run_cases(comm: gradcomm.Communicator, names: list[str],
+              cases: Cases | None = None) -> dict[str, Result]:
+    """Run the named cases of ``cases`` (default :data:`CASES`) in order on this rank; a case
+    that raises records ``("raised", ...)``."""
+    cases = CASES if cases is None else cases
     out: dict[str, Result] = {}
     for name in names:
         try:
-            out[name] = CASES[name][0](comm)
+            out[name] = cases[name][0](comm)
         except Exception as exc:  # noqa: BLE001 - reported by verify_cases
             out[name] = ("raised", f"{type(exc).__name__}: {exc}")
     return out
 
 
-def verify_case(name: str, results: list[dict[str, Result]], world_size: int) -> Problems:
-    """Problems of case ``name`` given every rank's :func:`run_cases` output (rank order)."""
+def verify_case(name: str, results: list[dict[str, Result]], world_size: int,
+                cases: Cases | None = None) -> Problems:
+    """Problems of case ``name`` of ``cases`` (default :data:`CASES`) given every rank's
+    :func:`run_cases` output (rank order)."""
     raised = [f"rank {r}: {res[name][1]}" for r, res in enumerate(results)
               if isinstance(res[name], tuple) and res[name][:1] == ("raised",)]
     if raised:
         return raised
-    return CASES[name][1]([res[name] for res in results], world_size)
+    return (CASES if cases is None else cases)[name][1]([res[name] for res in results],
+                                                        world_size)
 
 
-def run_and_sync(comm: gradcomm.Communicator, names: list[str]) -> dict[str, Result]:
+def run_and_sync(comm: gradcomm.Communicator, names: list[str],
+                 cases: Cases | None = None) -> dict[str, Result]:
     """:func:`run_cases`, then a barrier: no rank closes its communicator while a peer still
-    needs it. A case function for ``ranks.RankRunner``."""
-    out = run_cases(comm, names)
+    needs it. A case function for ``ranks.RankRunner`` (``cases`` travels by reference)."""
+    out = run_cases(comm, names, cases)
     comm.barrier()
     return out
 
@@ -888,7 +899,7 @@ def run_and_sync(comm: gradcomm.Communicator, names: list[str]) -> dict[str, Res
 #: (backend, world size, case names): one run of ``run_and_sync`` on each backend and world size.
 Runs = list[tuple[str, int, list[str]]]
 
-_results: dict[tuple[str, int, tuple[str, ...]], list[dict[str, Result]]] = {}
+_results: dict[tuple[str, int, tuple[str, ...], int], list[dict[str, Result]]] = {}
 
 
 def over_backends(runs: Runs, timeout: float = 240.0) -> Callable[[Any], Any]:
@@ -910,14 +921,18 @@ def over_backends(runs: Runs, timeout: float = 240.0) -> Callable[[Any], Any]:
     return decorate
 
 
-def results_of(runner: Any, world_size: int, runs: Runs, timeout: float = 180.0) -> list[Any]:
-    """Every rank's :func:`run_and_sync` output for the run of ``runs`` on ``runner``'s backend
-    at ``world_size`` (rank order), run once and kept for the other cases of that run."""
+def results_of(runner: Any, world_size: int, runs: Runs, timeout: float = 180.0,
+               cases: Cases | None = None, comm_timeout: float = 30.0) -> list[Any]:
+    """Every rank's :func:`run_and_sync` output for the run of ``runs`` (cases of ``cases``,
+    default :data:`CASES`) on ``runner``'s backend at ``world_size`` (rank order), run once and
+    kept for the other cases of that run."""
     (names,) = [n for b, w, n in runs if (b, w) == (runner.backend, world_size)]
-    key = (runner.backend, world_size, tuple(names))
+    key = (runner.backend, world_size, tuple(names), id(cases))
     if key not in _results:
-        _results[key] = runner(run_and_sync, world_size, names, timeout=timeout, comm_timeout=30.0)
+        _results[key] = runner(run_and_sync, world_size, names, cases, timeout=timeout,
+                               comm_timeout=comm_timeout)
     return _results[key]
 
 
-__all__ = ["CASES", "run_cases", "verify_case", "run_and_sync", "over_backends", "results_of"]
+__all__ = ["CASES", "Cases", "run_cases", "verify_case", "run_and_sync", "over_backends",
+           "results_of"]

@@ -1,33 +1,32 @@
 """The cross-rank collective check (gradcomm.comm.consistency): mismatched calls raise the same
 RuntimeError on every rank (in ``GRADCOMM_DEBUG=detail`` mode), and
-matching calls give the values they give without it. Threads for the logic, spawned gloo ranks
-and real ``mpiexec`` for the transports, one job per world size running every case.
+matching calls give the values they give without it. One run per backend (threads, spawned gloo,
+``mpiexec``) and world size runs every case of ``tests/consistency_cases.py``.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
+import consistency_cases as cc
 import pytest
 import torch
+from mpi_scripts.reducer_common import (
+    batch,
+    eval_bn,
+    grads_close,
+    loss_fn,
+    make_model,
+    reference_grads,
+)
+from ranks import RankRunner
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.comm.consistency import DebugLevel, debug_level_from_env, mismatch_message
 from gradcomm.hooks import GradientReducer
 
-from dist_utils import REPO_ROOT, TESTS_DIR, run_mpi, run_processes
-
-sys.path.insert(0, str(TESTS_DIR / "mpi_scripts"))
-import consistency_cases as cc
-from reducer_common import batch, eval_bn, grads_close, loss_fn, make_model, reference_grads
-
 NAMES = list(cc.CASES)
-JOB = TESTS_DIR / "mpi_scripts" / "consistency_job.py"
-ENV = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR),
-                                      str(TESTS_DIR / "mpi_scripts")])}
 
 
 def _problems(outcomes: list[list[cc.Outcome]], world_size: int) -> dict[str, list[str]]:
@@ -36,14 +35,14 @@ def _problems(outcomes: list[list[cc.Outcome]], world_size: int) -> dict[str, li
     return {name: p for name, p in found.items() if p}
 
 
-# ----------------------------------------------------------------------------- logic (threads)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_threads_every_case(world_size: int) -> None:
-    group = ThreadGroup(world_size, timeout=20)
-    outcomes = group.run(lambda comm: cc.run_cases(comm, NAMES))
-    assert _problems(outcomes, world_size) == {}  # type: ignore[arg-type]
+def test_every_case(comm_runner: RankRunner, world_size: int) -> None:
+    outcomes = comm_runner(cc.run_cases, world_size, NAMES, timeout=200)
+    assert _problems(outcomes, world_size) == {}
 
 
+# ----------------------------------------------------------------------------- logic (threads)
 def test_message_is_exact_on_every_rank() -> None:
     group = ThreadGroup(2, timeout=20)
     outcomes = group.run(lambda comm: cc.run_cases(comm, ["dtype"]))
@@ -99,36 +98,6 @@ def test_debug_is_off_by_default_and_parsed_once() -> None:
         gradcomm.init("gloo", rank=0, world_size=1, env={"GRADCOMM_DEBUG": "verbose"})
     with pytest.raises(TypeError, match="debug must be a str or DebugLevel, got int"):
         gradcomm.init("gloo", rank=0, world_size=1, env={}, debug=2)  # type: ignore[arg-type]
-
-
-# ----------------------------------------------------------------------------- real transports
-def _gloo_rank(rank: int, world_size: int, names: list[str]) -> list[cc.Outcome]:
-    torch.set_num_threads(1)
-    comm = gradcomm.init("gloo", timeout=60)
-    try:
-        return cc.run_cases(comm, names)
-    finally:
-        comm.close()
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_gloo_every_case(world_size: int) -> None:
-    outcomes = run_processes(_gloo_rank, world_size, NAMES, timeout=200)
-    assert _problems(outcomes, world_size) == {}
-
-
-@pytest.mark.slow
-@pytest.mark.mpi
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_mpi_every_case(world_size: int) -> None:
-    out = run_mpi(JOB, world_size, ["mpi", *NAMES], timeout=200, env=ENV).stdout
-    lines = dict(re.findall(rf"RESULT case=(\w+) world={world_size} (.*)", out))
-    assert sorted(lines) == sorted(NAMES), out
-    assert {case: status for case, status in lines.items() if status != "ok"} == {}, out
 
 
 @pytest.mark.parametrize("in_place", [float("inf"), 0.0])

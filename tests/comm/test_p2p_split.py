@@ -1,38 +1,26 @@
 """send/recv/batch_isend_irecv, split/split_by_host and the hierarchical all-reduce against a
 single-process reference.
 
-The checks live in ``tests/p2p_split_checks.py``: here they run on the thread backend (fast) and
-on spawned gloo ranks (one job per world size, every case in it); ``test_mpi_p2p_split.py``
-runs them under mpiexec.
+The checks live in ``tests/p2p_split_checks.py``; one run per backend (threads, spawned gloo,
+``mpiexec``) and world size runs every case.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from p2p_split_checks import (
-    check_children_closed,
-    expect_error,
-    run_hierarchical_checks,
-    run_p2p_checks,
-    run_split_checks,
-)
+from p2p_split_checks import every_case, expect_error
+from ranks import RankRunner
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadGroup
 
-from dist_utils import run_processes
 
-
-def _all(comm: gradcomm.Communicator) -> int:
-    return (run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
-            + check_children_closed(comm))
-
-
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_threads_every_case(n: int) -> None:
-    counts = ThreadGroup(n, timeout=20).run(_all)
-    assert all(isinstance(c, int) and c > 10 for c in counts)
+def test_every_case(comm_runner: RankRunner, n: int) -> None:
+    counts = comm_runner(every_case, n, timeout=200)
+    assert len(counts) == n and all(isinstance(c, int) and c > 10 for c in counts)
 
 
 def test_threads_size_mismatch_raises_from_wait() -> None:
@@ -53,21 +41,6 @@ def test_recv_without_send_times_out() -> None:
                          "recv")
 
     ThreadGroup(2, timeout=0.5).run(body)
-
-
-def _gloo_job(rank: int, world_size: int) -> int:
-    with gradcomm.init("gloo", timeout=60) as comm:
-        count = run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
-        return count + check_children_closed(comm)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_gloo_every_case(n: int) -> None:
-    counts = run_processes(_gloo_job, n, timeout=200)
-    assert len(counts) == n and all(c > 10 for c in counts)
 
 
 def test_profiler_records_send_and_recv_and_a_child_has_its_own() -> None:

@@ -1,17 +1,17 @@
 """The PowerSGD comm hook: against a numpy reference of the algorithm (P, Q and the error memory
 after each step), selection by name, plain all-reduce before ``start_powerSGD_iter``, and real
-processes (gloo, mpi) whose ranks end bit-identical.
+processes (gloo, mpi) and thread ranks that end bit-identical.
 """
 
 from __future__ import annotations
 
-import io
 import random
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from ranks import RankRunner
 from test_example import RUN_TIMEOUT, SCRIPT, _check_output, _load_example
 from torch import nn
 
@@ -191,31 +191,26 @@ def test_bad_options() -> None:
 
 
 # ----------------------------------------------------------------------------- real processes
-def _train(rank: int, world_size: int, backend: str) -> bytes:
-    torch.set_num_threads(1)
-    with gradcomm.init(backend, timeout=60) as comm:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-        reducer = GradientReducer(model, comm, bucket_cap_mb=0.005, first_bucket_cap_mb=0.005)
-        reducer.register_comm_hook("powersgd", state=PowerSGDState(
-            comm, matrix_approximation_rank=2, start_powerSGD_iter=2))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(5):
-            opt.zero_grad()
-            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        buf = io.BytesIO()  # tensors on a multiprocessing queue would share the child's memory
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, buf)
-        return buf.getvalue()
+def _train(comm: gradcomm.Communicator) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)  # thread ranks share this generator: the reducer's broadcast evens it
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    reducer = GradientReducer(model, comm, bucket_cap_mb=0.005, first_bucket_cap_mb=0.005)
+    reducer.register_comm_hook("powersgd", state=PowerSGDState(
+        comm, matrix_approximation_rank=2, start_powerSGD_iter=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(5):
+        opt.zero_grad()
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    reducer.remove()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_gloo_ranks_end_bit_identical() -> None:
-    out = [torch.load(io.BytesIO(raw)) for raw in run_processes(_train, 2, "gloo", timeout=100)]
+def test_ranks_end_bit_identical(comm_runner: RankRunner) -> None:
+    out = comm_runner(_train, 2, timeout=100)
     for name, value in out[0].items():
         assert torch.isfinite(value).all(), name
         assert torch.equal(value, out[1][name]), name

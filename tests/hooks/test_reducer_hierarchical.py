@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import ranks
 import torch
 from mpi_scripts.reducer_common import (
     batch,
@@ -18,12 +19,11 @@ from mpi_scripts.reducer_common import (
     reference_grads,
 )
 from p2p_split_checks import expect_error
+from ranks import RankRunner
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.hooks import GradientReducer
-
-from dist_utils import run_processes
 
 
 def _grads(comm: gradcomm.Communicator, hierarchical: bool) -> torch.Tensor:
@@ -39,28 +39,30 @@ def _grads(comm: gradcomm.Communicator, hierarchical: bool) -> torch.Tensor:
     return flat_grads(model)
 
 
-def _job(rank: int, world_size: int) -> str:
+def _hierarchical(comm: gradcomm.Communicator) -> str:
+    rank, world_size = comm.rank, comm.world_size
     os.environ["GRADCOMM_HOST_ID"] = f"host{rank // 2}"  # 2 hosts x 2 ranks
-    with gradcomm.init("gloo", timeout=60) as comm:
-        hier = _grads(comm, True)
-        flat = _grads(comm, False)
-        assert torch.allclose(hier, flat, rtol=1e-6, atol=1e-7)
-        everyone = torch.empty(world_size * hier.numel(), dtype=hier.dtype)
-        comm.all_gather(everyone, hier)
-        rows = everyone.view(world_size, -1).view(torch.uint8)
-        assert all(torch.equal(rows[0], rows[q]) for q in range(world_size))
-        # hosts of unequal size: refused on every rank
-        os.environ["GRADCOMM_HOST_ID"] = f"host{min(rank, 1)}"  # 1 + 3
-        expect_error(ValueError, lambda: GradientReducer(eval_bn(make_model()), comm,
-                                                         hierarchical=True), "same number")
-        return "ok"
+    hier = _grads(comm, True)
+    flat = _grads(comm, False)
+    assert torch.allclose(hier, flat, rtol=1e-6, atol=1e-7)
+    everyone = torch.empty(world_size * hier.numel(), dtype=hier.dtype)
+    comm.all_gather(everyone, hier)
+    rows = everyone.view(world_size, -1).view(torch.uint8)
+    assert all(torch.equal(rows[0], rows[q]) for q in range(world_size))
+    # hosts of unequal size: refused on every rank
+    os.environ["GRADCOMM_HOST_ID"] = f"host{min(rank, 1)}"  # 1 + 3
+    expect_error(ValueError, lambda: GradientReducer(eval_bn(make_model()), comm,
+                                                     hierarchical=True), "same number")
+    return "ok"
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
+# Spawned gloo ranks only: each rank names its host in its own process environment, which
+# thread ranks share.
 @pytest.mark.timeout(240)
-def test_hierarchical_matches_reference_and_flat_on_two_fake_hosts() -> None:
-    assert run_processes(_job, 4, timeout=200) == ["ok"] * 4
+@pytest.mark.parametrize("comm_runner", [ranks.GLOO], indirect=True)
+def test_hierarchical_matches_reference_and_flat_on_two_fake_hosts(comm_runner: RankRunner
+                                                                   ) -> None:
+    assert comm_runner(_hierarchical, 4, timeout=200) == ["ok"] * 4
 
 
 def test_hierarchical_option_checks() -> None:

@@ -1,6 +1,7 @@
-"""ShardedOptimizer (ZeRO stages 1 and 2) over real gloo process groups (spawned) and under
-mpiexec: parameters equal unsharded training, checkpoints reshard across world sizes, bad input
-raises on every rank. One job per world size runs many cases (see mpi_scripts/sharded_checks.py).
+"""ShardedOptimizer (ZeRO stages 1 and 2) on thread ranks, real gloo process groups (spawned) and
+under mpiexec: parameters equal unsharded training, checkpoints reshard across world sizes, bad
+input raises on every rank. One run per backend and world size runs many cases (see
+tests/sharded_checks.py).
 """
 
 from __future__ import annotations
@@ -10,105 +11,91 @@ import re
 from pathlib import Path
 
 import pytest
+import ranks
+import sharded_checks as sc
 import torch
-from mpi_scripts import sharded_checks as sc
+from ranks import RankRunner
 
 import gradcomm
 
-from dist_utils import REPO_ROOT, TESTS_DIR, run_mpi, run_processes
+from dist_utils import REPO_ROOT, run_mpi
 
 STEPS, MORE = 3, 3
 
 
-def _values(rank: int, world_size: int) -> list[str]:
-    torch.set_num_threads(1)
-    with gradcomm.init(backend="gloo") as comm:
-        done = sc.value_cases(comm)
-        if world_size == 2:
-            done += sc.bad_input_cases(comm)
-        return done
+# the full case list takes about a minute on thread ranks on 2 busy cores: slow there too
+_MARKS = {"threads": [pytest.mark.slow], "gloo": ranks.GLOO.marks, "mpi": ranks.MPI.marks}
+# bad inputs on gloo at 2 ranks only: they do not depend on the world size
+_RUNS = [("threads", 3)] + [(b, n) for b in ("gloo", "mpi") for n in (2, 3, 4)]
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_sharded_equals_unsharded_gloo(n: int) -> None:
-    out = run_processes(_values, n, timeout=240)
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize(("comm_runner", "n"),
+                         [pytest.param(b, n, marks=_MARKS[b], id=f"{b}-{n}") for b, n in _RUNS],
+                         indirect=["comm_runner"])
+def test_sharded_equals_unsharded(comm_runner: RankRunner, n: int) -> None:
+    bad_inputs = comm_runner.backend != "gloo" or n == 2
+    out = comm_runner(sc.sharded_cases, n, bad_inputs, timeout=300)
     assert all(len(o) == len(out[0]) for o in out), out
-    assert len(out[0]) == 10 + (3 if n == 2 else 0), out[0]
+    assert len(out[0]) == 10 + (3 if bad_inputs else 0), out[0]
 
 
-def _save(rank: int, world_size: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    with gradcomm.init(backend="gloo") as comm:
-        for stage in (1, 2):
-            saved: dict[str, object] = {}
+def _save(comm: gradcomm.Communicator, folder: str) -> None:
+    rank = comm.rank
+    for stage in (1, 2):
+        saved: dict[str, object] = {}
 
-            def keep(opt: object, model: torch.nn.Module, step: int,
-                     saved: dict[str, object] = saved) -> None:
-                if step == STEPS - 1:
-                    full = opt.state_dict(to=0)  # type: ignore[attr-defined]
-                    saved["full"] = full
-                    saved["everywhere"] = opt.state_dict()  # type: ignore[attr-defined]
-                    # as torch's, it holds the live state tensors: copy (torch.save would)
-                    saved["shard"] = copy.deepcopy(
-                        opt.sharded_state_dict())  # type: ignore[attr-defined]
-                    saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
-                    assert (full == {}) == (rank != 0)
+        def keep(opt: object, model: torch.nn.Module, step: int,
+                 saved: dict[str, object] = saved) -> None:
+            if step == STEPS - 1:
+                full = opt.state_dict(to=0)  # type: ignore[attr-defined]
+                saved["full"] = full
+                saved["everywhere"] = opt.state_dict()  # type: ignore[attr-defined]
+                # as torch's, it holds the live state tensors: copy (torch.save would)
+                saved["shard"] = copy.deepcopy(
+                    opt.sharded_state_dict())  # type: ignore[attr-defined]
+                saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+                assert (full == {}) == (rank != 0)
 
-            model, _ = sc.train(comm, "adamw", stage, STEPS + MORE, after=keep)
-            _, ref_opt = sc.train(comm, "adamw", None, STEPS)
-            # the gathered state is the unsharded optimizer's, value for value
-            want = ref_opt.state_dict()["state"]
-            got = saved["everywhere"]["state"]  # type: ignore[index]
-            assert sorted(got) == sorted(want)
-            for i in want:
-                for k, v in want[i].items():
-                    sc.check_close(f"state {i} {k}", got[i][k].double(), v.double(), sc.RTOL[stage])
-            # sharded save, load at the same world size: continues bit for bit
-            cont, _ = sc.train(comm, "adamw", stage, MORE, start=STEPS,
-                               shard_state=saved["shard"], model_state=saved["model"])
-            sc.check_close("sharded reload", sc.params_of(cont), sc.params_of(model), 0.0)
-            if rank == 0:
-                torch.save({"full": saved["full"], "model": saved["model"],
-                            "final": sc.params_of(model)}, Path(folder) / f"stage{stage}.pt")
+        model, _ = sc.train(comm, "adamw", stage, STEPS + MORE, after=keep)
+        _, ref_opt = sc.train(comm, "adamw", None, STEPS)
+        # the gathered state is the unsharded optimizer's, value for value
+        want = ref_opt.state_dict()["state"]
+        got = saved["everywhere"]["state"]  # type: ignore[index]
+        assert sorted(got) == sorted(want)
+        for i in want:
+            for k, v in want[i].items():
+                sc.check_close(f"state {i} {k}", got[i][k].double(), v.double(), sc.RTOL[stage])
+        # sharded save, load at the same world size: continues bit for bit
+        cont, _ = sc.train(comm, "adamw", stage, MORE, start=STEPS,
+                           shard_state=saved["shard"], model_state=saved["model"])
+        sc.check_close("sharded reload", sc.params_of(cont), sc.params_of(model), 0.0)
+        if rank == 0:
+            torch.save({"full": saved["full"], "model": saved["model"],
+                        "final": sc.params_of(model)}, Path(folder) / f"stage{stage}.pt")
 
 
-def _load(rank: int, world_size: int, folder: str) -> list[float]:
-    torch.set_num_threads(1)
+def _load(comm: gradcomm.Communicator, folder: str) -> list[float]:
     errs = []
-    with gradcomm.init(backend="gloo") as comm:
-        for stage in (1, 2):
-            ckpt = torch.load(Path(folder) / f"stage{stage}.pt", weights_only=False)
-            model, _ = sc.train(comm, "adamw", stage, MORE, start=STEPS, state=ckpt["full"],
-                                model_state=ckpt["model"])
-            got = sc.params_of(model)
-            # a different world size sums in another order: rounding only
-            errs.append(sc.check_close(f"stage {stage} resumed at {world_size}", got,
-                                       ckpt["final"], 1e-5))
-            assert sc.identical_across_ranks(comm, got)
+    for stage in (1, 2):
+        ckpt = torch.load(Path(folder) / f"stage{stage}.pt", weights_only=False)
+        model, _ = sc.train(comm, "adamw", stage, MORE, start=STEPS, state=ckpt["full"],
+                            model_state=ckpt["model"])
+        got = sc.params_of(model)
+        # a different world size sums in another order: rounding only
+        errs.append(sc.check_close(f"stage {stage} resumed at {comm.world_size}", got,
+                                   ckpt["final"], 1e-5))
+        assert sc.identical_across_ranks(comm, got)
     return errs
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(540)  # two jobs, each under run_processes' own 240 s limit
-def test_checkpoint_saved_at_two_ranks_resumes_at_three_gloo(tmp_path: Path) -> None:
-    run_processes(_save, 2, str(tmp_path), timeout=240)
-    errs = run_processes(_load, 3, str(tmp_path), timeout=240)
+@pytest.mark.timeout(540)  # two jobs, each under the runner's own 240 s limit
+@pytest.mark.parametrize("comm_runner", [ranks.GLOO], indirect=True)
+def test_checkpoint_saved_at_two_ranks_resumes_at_three_gloo(comm_runner: RankRunner,
+                                                             tmp_path: Path) -> None:
+    comm_runner(_save, 2, str(tmp_path), timeout=240)
+    errs = comm_runner(_load, 3, str(tmp_path), timeout=240)
     assert all(e <= 1e-5 for r in errs for e in r), errs
-
-
-@pytest.mark.slow
-@pytest.mark.mpi
-@pytest.mark.timeout(330)
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_sharded_equals_unsharded_mpi(n: int) -> None:
-    proc = run_mpi(TESTS_DIR / "mpi_scripts" / "sharded_values.py", n, timeout=300,
-                   env={"GRADCOMM_BACKEND": "mpi"})
-    for rank in range(n):
-        assert f"RESULT ok rank={rank} world={n} cases=" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
@@ -128,14 +115,6 @@ def _thread_group(n: int) -> object:
     from gradcomm.comm.backends.threads import ThreadGroup
 
     return ThreadGroup(n, timeout=60)
-
-
-@pytest.mark.slow  # the full case list: about a minute on 2 busy cores
-@pytest.mark.timeout(300)
-def test_sharded_equals_unsharded_on_thread_ranks() -> None:
-    out = _thread_group(3).run(  # type: ignore[attr-defined]
-        lambda comm: sc.value_cases(comm) + sc.bad_input_cases(comm))
-    assert all(len(o) == 13 for o in out), out
 
 
 def test_full_state_reshards_from_three_thread_ranks_to_two() -> None:

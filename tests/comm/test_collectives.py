@@ -1,23 +1,33 @@
-"""reduce_scatter, all_to_all, the rooted and the object collectives on the thread backend:
-the base class's logic (checks, layouts, emulations) at 1-4 ranks, without processes."""
+"""reduce_scatter, all_to_all, reduce/gather/scatter, uneven all_gather and the object
+collectives against the torch reference (tests/coll_cases.py), on every backend at 1-4 ranks: one
+run per backend and world size checks every case (on mpi also through the device-buffer path
+without a GPU); bad inputs are checked on every rank between good collectives. Then the per-
+collective ``supports()`` answers and the profiler's records, on thread ranks.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from coll_cases import FLOATS, HALF, INTS, run_all
+from coll_cases import FLOATS, HALF, INTS, every_collective
+from ranks import RankRunner
 
 from gradcomm.comm import Collective, SupportLevel
 from gradcomm.comm.backends.threads import ThreadGroup
 
-DTYPES = FLOATS + INTS + HALF + [torch.int16, torch.bool]
+#: The dtypes each backend is checked in: gloo without int16 and bool.
+DTYPES = {"threads": FLOATS + INTS + HALF + [torch.int16, torch.bool],
+          "gloo": FLOATS + INTS + HALF,
+          "mpi": FLOATS + INTS + HALF + [torch.int16, torch.bool]}
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_every_collective_matches_the_reference(world_size: int) -> None:
-    counts = ThreadGroup(world_size, timeout=30).run(lambda comm: run_all(comm, DTYPES))
+def test_every_collective_matches_the_reference(comm_runner: RankRunner, world_size: int) -> None:
+    counts = comm_runner(every_collective, world_size, DTYPES[comm_runner.backend], timeout=220)
     assert all(c == counts[0] for c in counts)
-    assert counts[0]["reduce_scatter"] > 0  # type: ignore[index]
+    assert counts[0]["reduce_scatter"] > 0
+    assert (counts[0].get("device_path", 0) > 0) == (comm_runner.backend == "mpi")
 
 
 def test_supports_answers_per_collective() -> None:

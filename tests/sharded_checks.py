@@ -1,4 +1,4 @@
-"""ShardedOptimizer checks shared by the spawned gloo tests and the mpiexec script.
+"""ShardedOptimizer checks, run on every backend by ``tests/hooks/test_sharded_optimizer.py``.
 
 Every step trains on one global batch of GLOBAL samples (a known function of the step), each rank
 taking its contiguous slice, so the averaged gradient -- and hence training -- is the same at any
@@ -189,3 +189,9 @@ def bad_input_cases(comm: gradcomm.Communicator) -> list[str]:
                             ValueError, "reduce-scatter"))
     reducer.remove()
     return out
+
+
+def sharded_cases(comm: gradcomm.Communicator, bad_inputs: bool) -> list[str]:
+    """:func:`value_cases`, then :func:`bad_input_cases` if ``bad_inputs``: a case function for
+    ``ranks.RankRunner``; the names of the cases done."""
+    return value_cases(comm) + (bad_input_cases(comm) if bad_inputs else [])

@@ -1,10 +1,9 @@
 """Cases for the step consistency check and ``GradientReducer.join()``, on any backend.
 
-As in ``failure_common.py``: each case is ``run(comm) -> result`` (every rank) and
-``verify(results, world_size) -> problems`` (once, on every rank's result in rank order). The gloo
-tests (``tests/hooks/test_step_check.py``, ``tests/hooks/test_join.py``) run them in spawned
-processes, ``step_join_values.py`` under ``mpiexec``; both run and verify them with
-``failure_common``'s runners, in which this module registers its cases.
+As in ``reducer_cases``: each case is ``run(comm) -> result`` (every rank) and
+``verify(results, world_size) -> problems`` (once, on every rank's result in rank order);
+``tests/hooks/test_step_check_join.py`` runs them through ``ranks.RankRunner`` with
+``reducer_cases``' runners, given this module's :data:`CASES`.
 
 References are single-process computations: the mean over ranks of each rank's local gradient
 (every rank's batch has the same size, so this is the gradient of the global batch).
@@ -15,7 +14,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import failure_common as fc
+import reducer_cases as rc
 import torch
 from torch import nn
 
@@ -24,7 +23,7 @@ from gradcomm.hooks import GradientReducer, PowerSGDState
 
 Result = Any
 Problems = list[str]
-error_of = fc.error_of
+error_of = rc.error_of
 SKIPPER = 1  # the rank that skips a backward
 LR = 0.1
 
@@ -388,19 +387,9 @@ def verify_join(results: list[Result], ws: int, extras: tuple[int, ...] = (1, 2,
 
 
 # ----------------------------------------------------------------------------- registry
-CASES: dict[str, Any] = {  # name: (run(comm) -> result, verify(results, world_size) -> problems)
+CASES: rc.Cases = {
     "skipped_backward": (run_skipped_backward, verify_skipped_backward),
     "consistent_loops": (run_consistent_loops, verify_consistent_loops),
     "graph_before_reducer": (run_graph_before_reducer, verify_graph_before_reducer),
     "join": (run_join, verify_join),
 }
-# Run and verified by failure_common's runners (gloo and mpi alike) once registered there.
-fc.CASES.update(CASES)
-
-
-def gloo_child(rank: int, world_size: int, names: list[str], timeout: float) -> bytes:
-    """Spawned-rank body: importing this module registers its cases in the child too."""
-    return fc.gloo_child(rank, world_size, names, timeout)
-
-
-run_cases, verify_case, load_results = fc.run_cases, fc.verify_case, fc.load_results
