@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from . import __version__
-from .comm.consistency import debug_level_from_env
-from .comm.env_flag import env_flag
+from .comm._consistency import debug_level_from_env
+from .comm._env_flag import env_flag
 from .comm.launcher import detect_launch
 from .comm.registry import available_backends
 from .comm.selection import resolve_timeout, select_backend

@@ -17,7 +17,7 @@ from torch import nn
 
 import gradcomm
 from gradcomm.comm import CollectiveTimeoutError, Communicator
-from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm.backends._threads import ThreadGroup
 from gradcomm.comm.registry import known_backends
 from gradcomm.hooks import GradientReducer
 

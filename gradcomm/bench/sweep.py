@@ -30,10 +30,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from ..comm._netaddr import publish_candidates
+from ..comm._reachability import first_answering
 from ..comm.communicator import Communicator
 from ..comm.launcher import detect_launch
-from ..comm.netaddr import publish_candidates
-from ..comm.reachability import first_answering
 from ..comm.types import ReduceOp
 from .metrics import algbw, busbw, dtype_name, op_name
 from .results import SweepRow
@@ -81,7 +81,7 @@ class TorchDistRaw(RawTransport):
     The group is torch's default process group when none exists yet (the CLI's case), else a new
     group of every rank. Its rendezvous goes through ``comm``: rank 0 opens a TCPStore on a port
     the OS picks and broadcasts its candidate addresses -- ``MASTER_ADDR`` when set, else those of
-    :func:`gradcomm.comm.netaddr.publish_candidates` (127.0.0.1 on one host, never loopback
+    :func:`gradcomm.comm._netaddr.publish_candidates` (127.0.0.1 on one host, never loopback
     across hosts) -- and each rank connects to the first that answers, so it never collides with
     the store gradcomm's own communicator opened at ``MASTER_ADDR:MASTER_PORT``, under torchrun
     and mpiexec alike. Across hosts gloo binds the interface gradcomm's communicator chose.

@@ -5,12 +5,12 @@ add a backend, :func:`detect_launch` for launcher detection, and :class:`DebugLe
 cross-rank check of every collective (``GRADCOMM_DEBUG``).
 """
 
+from ._consistency import DebugLevel
+from ._p2p import P2POp
 from .communicator import Communicator
-from .consistency import DebugLevel
 from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
 from .hierarchical import HierarchicalAllReduce
 from .launcher import Launcher, LaunchInfo, detect_launch
-from .p2p import P2POp
 from .registry import BackendStatus, available_backends, register_backend
 from .selection import BackendChoice, init, select_backend
 from .types import Collective, ReduceOp, Support, SupportLevel

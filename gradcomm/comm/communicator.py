@@ -1,18 +1,18 @@
 """The abstract collective interface every backend implements.
 
 Every public collective -- ``all_reduce``, ``broadcast``, ``all_gather``, ``barrier`` here;
-``reduce_scatter`` and ``all_to_all`` (:mod:`~gradcomm.comm.shard_ops`), ``reduce``, ``gather``
-and ``scatter`` (:mod:`~gradcomm.comm.rooted_ops`) and the object collectives
-(:mod:`~gradcomm.comm.object_ops`) in mixins -- takes one path: its arguments are checked on
-every rank before any transport call (:mod:`~gradcomm.comm.validation`), so bad input raises the
+``reduce_scatter`` and ``all_to_all`` (:mod:`~gradcomm.comm._shard_ops`), ``reduce``, ``gather``
+and ``scatter`` (:mod:`~gradcomm.comm._rooted_ops`) and the object collectives
+(:mod:`~gradcomm.comm._object_ops`) in mixins -- takes one path: its arguments are checked on
+every rank before any transport call (:mod:`~gradcomm.comm._validation`), so bad input raises the
 same error everywhere instead of hanging; what is common to all backends is handled in the base
 classes -- world_size 1 (no collective at all), non-contiguous tensors (copy-in/copy-out,
-:mod:`~gradcomm.comm.tensors`), ``ReduceOp.AVG`` on backends without a native average and
-complex tensors (:mod:`~gradcomm.comm.emulation`) -- and ``_issue``
-(:mod:`~gradcomm.comm.issue`) hands contiguous tensors to one backend hook per collective
+:mod:`~gradcomm.comm._tensors`), ``ReduceOp.AVG`` on backends without a native average and
+complex tensors (:mod:`~gradcomm.comm._emulation`) -- and ``_issue``
+(:mod:`~gradcomm.comm._issue`) hands contiguous tensors to one backend hook per collective
 (``_all_reduce``, ``_broadcast``, ...), in the manner of ``cupyx.distributed``'s communicator base
 class, tells the profiler, and lets a timed-out collective block the next ones
-(:mod:`~gradcomm.comm.stalls`). A new collective is a check in ``validation``, a public method
+(:mod:`~gradcomm.comm._stalls`). A new collective is a check in ``validation``, a public method
 that calls ``_issue`` (in a mixin module), and one hook per backend.
 """
 
@@ -24,21 +24,19 @@ from typing import ClassVar
 
 import torch
 
-from .consistency import ConsistencyCheck, DebugLevel, DebugSetting
-from .emulation import average, reduce_complex
-from .issue import IssuePath
-from .object_ops import ObjectOps
-from .observer import CollectiveObserver
-from .p2p import PointToPoint
-from .rooted_ops import RootedOps
-from .shard_ops import ShardOps
-from .split import Splitting
-from .stalls import StallGuard
-from .support import collective_support
-from .tensors import flat_bytes as flat_bytes  # re-exported: the backends' byte views
-from .tensors import overlap, plain
-from .types import Collective, ReduceOp, Support
-from .validation import (
+from ._consistency import ConsistencyCheck, DebugLevel, DebugSetting
+from ._emulation import average, reduce_complex
+from ._issue import IssuePath
+from ._object_ops import ObjectOps
+from ._p2p import PointToPoint
+from ._rooted_ops import RootedOps
+from ._shard_ops import ShardOps
+from ._split import Splitting
+from ._stalls import StallGuard
+from ._support import collective_support
+from ._tensors import flat_bytes as flat_bytes  # re-exported: the backends' byte views
+from ._tensors import overlap, plain
+from ._validation import (
     TensorChecks,
     check_all_gather,
     check_avg,
@@ -47,6 +45,8 @@ from .validation import (
     check_supports_args,
     check_writable,
 )
+from .observer import CollectiveObserver
+from .types import Collective, ReduceOp, Support
 from .work import CompletedWork, Description, DescriptionLike, Work, writing_into
 
 __all__ = ["Communicator", "CollectiveObserver"]
@@ -59,12 +59,12 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
     All collectives work in place on the given tensor and preserve its dtype and shape. Each
     returns a :class:`~gradcomm.comm.Work`; with ``async_op=False`` (default) it is already
     complete. Every rank must call the same collectives in the same order with tensors of the same
-    numel and dtype. Point-to-point transfers are :class:`~gradcomm.comm.p2p.PointToPoint`'s,
-    sub-communicators :class:`~gradcomm.comm.split.Splitting`'s.
+    numel and dtype. Point-to-point transfers are :class:`~gradcomm.comm._p2p.PointToPoint`'s,
+    sub-communicators :class:`~gradcomm.comm._split.Splitting`'s.
 
     While a collective whose wait timed out is still pending, every new one raises RuntimeError
-    at once (see :mod:`~gradcomm.comm.stalls`). The constructor's arguments (rank, world_size,
-    local_rank, device, timeout) and their checks are :class:`~gradcomm.comm.group.GroupMember`'s.
+    at once (see :mod:`~gradcomm.comm._stalls`). The constructor's arguments (rank, world_size,
+    local_rank, device, timeout) and their checks are :class:`~gradcomm.comm._group.GroupMember`'s.
     """
 
     #: Name of the backend, as given to :func:`gradcomm.init` (``"gloo"``, ``"mpi"``, ...).

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from ._validation import check_avg, check_call_args
 from .communicator import Communicator
 from .types import ReduceOp
-from .validation import check_avg, check_call_args
 from .work import CompletedWork, Work, writing_into
 
 __all__ = ["HierarchicalAllReduce", "hierarchical_all_reduce"]

@@ -56,7 +56,7 @@ class LaunchInfo:
         master_addr, master_port: where the torch.distributed backends' rendezvous store
             listens (``MASTER_ADDR``/``MASTER_PORT``); None when not both are set, in which case
             an MPI launcher's ranks rendezvous through MPI
-            (:func:`gradcomm.comm.rendezvous.create_store`).
+            (:func:`gradcomm.comm._rendezvous.create_store`).
         agent_store: torchrun's agent already serves that store
             (``TORCHELASTIC_USE_AGENT_STORE=True``), so rank 0 joins it as a client.
     """

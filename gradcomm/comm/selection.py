@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .agreement import agree_on_settings, joins_agreement
+from ._agreement import agree_on_settings, joins_agreement
+from ._consistency import DebugLevel, debug_level_from_env
+from ._env_flag import env_flag
+from ._mpi_abort import ABORT_ENV_VAR
 from .communicator import Communicator
-from .consistency import DebugLevel, debug_level_from_env
-from .env_flag import env_flag
 from .launcher import LaunchInfo, detect_launch
-from .mpi_abort import ABORT_ENV_VAR
 from .registry import (
     available_backends,
     check_backend,
@@ -203,7 +203,7 @@ def init(
 
     Under an MPI launcher (mpirun/mpiexec; torchrun started by mpirun is torchrun) with more
     than one rank and mpi4py installed, the ranks first all-gather whether their settings were
-    valid, which backend they chose and their store address (:mod:`gradcomm.comm.agreement`),
+    valid, which backend they chose and their store address (:mod:`gradcomm.comm._agreement`),
     so an error caused by one rank's arguments or environment is raised on every rank (the
     others raise the same kind, naming the rank; MPI is initialised by then, and the
     ``GRADCOMM_MPI_ABORT_ON_ERROR`` hook installed), and a rank that started MPI but never

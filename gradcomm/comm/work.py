@@ -34,7 +34,7 @@ class Description:
     device and group, from the communicator's cache). Formatting is cheap when warm but not between
     two large collectives, whose traffic leaves the caches cold (benchmarks/call_overhead.py), and
     the text is almost never read, so collectives keep the parts and :class:`Work` formats them
-    on demand. The parts are also what :mod:`~gradcomm.comm.consistency` compares across ranks:
+    on demand. The parts are also what :mod:`~gradcomm.comm._consistency` compares across ranks:
     a collective with a root or split sizes passes them as ``root`` and ``splits`` (shown in the
     text through ``extra``, e.g. ``"src=0"``).
     """

@@ -21,9 +21,10 @@ from fake_cuda import Log, install, install_cupy
 from fake_device import FakeDeviceTensor
 
 from gradcomm import CollectiveTimeoutError, ReduceOp
-from gradcomm.comm import Launcher, LaunchInfo, cuda_packages
+from gradcomm.comm import Launcher, LaunchInfo
+from gradcomm.comm import _cuda_packages as cuda_packages
+from gradcomm.comm._rendezvous import Rendezvous
 from gradcomm.comm.backends import cupy_nccl, mpi_device, nccl, torch_dist
-from gradcomm.comm.rendezvous import Rendezvous
 
 from dist_utils import REPO_ROOT
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gradcomm import SlowPathWarning
-from gradcomm.comm import cuda_packages
+from gradcomm.comm import _cuda_packages as cuda_packages
 from gradcomm.comm.backends import mpi_device
 from gradcomm.comm.backends.mpi_device import (
     DeviceBufferAdapter,

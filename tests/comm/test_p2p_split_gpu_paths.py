@@ -14,8 +14,8 @@ import torch.distributed as dist
 from fake_cuda import install, install_cupy
 
 from gradcomm.comm import Launcher, LaunchInfo, P2POp
+from gradcomm.comm._p2p import P2PKind, Transfer, post_in_pair_order
 from gradcomm.comm.backends import cupy_nccl
-from gradcomm.comm.p2p import P2PKind, Transfer, post_in_pair_order
 from gradcomm.comm.work import CompletedWork, Description, Work
 
 

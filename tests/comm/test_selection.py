@@ -22,7 +22,7 @@ from gradcomm.comm import (
     registry,
     select_backend,
 )
-from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm.backends._threads import ThreadGroup
 from gradcomm.comm.registry import known_backends
 from gradcomm.comm.selection import DEFAULT_TIMEOUT, init, resolve_timeout
 
@@ -366,7 +366,7 @@ def test_init_accepts_numpy_integers_as_ints() -> None:
 
 @pytest.mark.parametrize("raw", ["maybe", "2", "yes please"])
 def test_bad_abort_on_error_value_raises(raw: str) -> None:
-    from gradcomm.comm.mpi_abort import abort_on_error_enabled
+    from gradcomm.comm._mpi_abort import abort_on_error_enabled
 
     with pytest.raises(ValueError, match="GRADCOMM_MPI_ABORT_ON_ERROR"):
         abort_on_error_enabled({"GRADCOMM_MPI_ABORT_ON_ERROR": raw})

@@ -92,7 +92,7 @@ def check(comm: gradcomm.Communicator, adapter: FakeAdapter) -> None:
     if out[:, 0].tolist() != list(range(world)):
         sys.exit(f"{adapter.staged=}: all_gather gave {out}")
     # broadcast 1, all_gather 2, and 2 for the all-gather of the size check before all_gather
-    # (gradcomm.comm.consistency), whose fingerprint lives on the device too
+    # (gradcomm.comm._consistency), whose fingerprint lives on the device too
     if adapter.events.count("finish") != 5:
         sys.exit(f"broadcast/all_gather: expected 5 finish calls, got {adapter.events}")
 

@@ -4,7 +4,7 @@ NCCL needs one 128-byte unique id, made by rank 0 and known to every rank, befor
 communicator exists. Here it travels over MPI (mpi4py's ``bcast``) when the job was started by
 ``mpirun``/``mpiexec``, so such a job needs no ``MASTER_ADDR``/``MASTER_PORT`` and no torch
 store; otherwise (torchrun, explicit ranks) over the store of
-:func:`gradcomm.comm.rendezvous.create_store`. MPI carries only the id: the data moves by NCCL.
+:func:`gradcomm.comm._rendezvous.create_store`. MPI carries only the id: the data moves by NCCL.
 
 Capability table: the nccl backend's (:mod:`gradcomm.comm.backends.nccl`): float16, bfloat16,
 float32, float64, int8, uint8, int32, int64 native on CUDA; SUM, AVG (``ncclAvg``), MIN, MAX,
@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
+from .._cuda_packages import cupy_pip, nccl_pip
+from .._rendezvous import create_store
+from .._split import SplitPlan
 from ..communicator import Communicator
-from ..cuda_packages import cupy_pip, nccl_pip
 from ..errors import BackendUnavailableError
 from ..launcher import Launcher, LaunchInfo
-from ..rendezvous import create_store
-from ..split import SplitPlan
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
 from .cuda_event import CudaEventWork
@@ -78,7 +78,7 @@ def cupy_nccl_unavailable() -> Exception | None:
     """Why the cupy-nccl backend cannot run here, or None; imports cupy only when CUDA is there.
 
     Returns:
-        ImportError naming the pip command of :func:`~gradcomm.comm.cuda_packages.cupy_pip` (the
+        ImportError naming the pip command of :func:`~gradcomm.comm._cuda_packages.cupy_pip` (the
         CuPy of torch's CUDA major) when cupy is missing;
         BackendUnavailableError when there is no CUDA device or CuPy finds no NCCL library.
     """

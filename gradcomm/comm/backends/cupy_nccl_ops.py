@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..p2p import Transfer
+from .._p2p import Transfer
 from ..types import ReduceOp
 from ..work import DescriptionLike, Work
 

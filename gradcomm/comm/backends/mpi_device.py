@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..cuda_packages import cupy_pip
-from ..env_flag import env_flag
+from .._cuda_packages import cupy_pip
+from .._env_flag import env_flag
 from ..errors import SlowPathWarning
 
 __all__ = [

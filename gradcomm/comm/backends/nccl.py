@@ -18,7 +18,7 @@ Device: ``cuda:<local_rank>`` unless given; :func:`torch.cuda.set_device` is cal
 process group exists, so NCCL's communicator lands on that GPU. NCCL allows one rank per GPU, so a
 host must not run more ranks than it has GPUs (checked on every rank before the rendezvous).
 
-Rendezvous: the store of :func:`gradcomm.comm.rendezvous.create_store` -- ``MASTER_ADDR`` and
+Rendezvous: the store of :func:`gradcomm.comm._rendezvous.create_store` -- ``MASTER_ADDR`` and
 ``MASTER_PORT`` (torchrun), or, under ``mpirun``/``mpiexec`` without them, an address broadcast over
 MPI. The user's default process group is never touched.
 
@@ -46,9 +46,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .._p2p import Transfer, post_in_pair_order
 from ..errors import BackendUnavailableError
 from ..launcher import LaunchInfo
-from ..p2p import Transfer, post_in_pair_order
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
 from .torch_dist import TorchDistCommunicator, TorchWork

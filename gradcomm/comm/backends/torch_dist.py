@@ -1,7 +1,7 @@
 """Shared code of the backends built on torch.distributed process groups (gloo, nccl).
 
 Each communicator owns a process group of its own, built on a store from
-:mod:`gradcomm.comm.rendezvous`; it never creates or changes the user's default process group, so a
+:mod:`gradcomm.comm._rendezvous`; it never creates or changes the user's default process group, so a
 script may use ``torch.distributed`` beside gradcomm.
 """
 
@@ -18,10 +18,10 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from .._rendezvous import rendezvous
+from .._split import SplitPlan
 from ..communicator import Communicator, flat_bytes
 from ..launcher import Launcher, LaunchInfo
-from ..rendezvous import rendezvous
-from ..split import SplitPlan
 from ..types import ReduceOp
 from ..work import DescriptionLike, Work
 
@@ -116,7 +116,7 @@ class TorchDistCommunicator(Communicator):
 
     Attributes:
         bind_address: the IPv4 address the transport binds when the ranks span hosts (see
-            :func:`gradcomm.comm.rendezvous.rendezvous`); None on one host or world_size 1.
+            :func:`gradcomm.comm._rendezvous.rendezvous`); None on one host or world_size 1.
         bind_interface: the name of the interface carrying it (None if unknown).
     """
 

@@ -16,7 +16,7 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
         "the mpi backend needs the mpi4py package and an MPI library: pip install mpi4py mpich"
     ) from _exc
 
-from ...mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
+from ..._mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
 from .communicator import MPICommunicator
 from .work import MPIWork
 

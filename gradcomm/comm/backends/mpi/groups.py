@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from mpi4py import MPI
 
+from ..._split import SplitPlan
+from ..._tensors import flat_bytes
 from ...communicator import Communicator
 from ...launcher import Launcher, LaunchInfo
-from ...split import SplitPlan
-from ...tensors import flat_bytes
 from ...work import DescriptionLike, Work
 from .work import MPIWork
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from mpi4py import MPI
 
-from ...tensors import flat_bytes
+from ..._tensors import flat_bytes
 from ...types import Collective, ReduceOp, Support, SupportLevel
 from ...work import DescriptionLike, Work
 from .dtypes import HALF, mpi_op

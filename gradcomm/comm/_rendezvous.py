@@ -13,7 +13,7 @@ Store, in order of preference:
    that answers; if one rank reaches none, every rank raises, listing what was tried.
 3. world_size 1: an in-memory :class:`torch.distributed.HashStore` (no collective is ever issued).
 
-Bind address (ranks on several hosts only; see :mod:`gradcomm.comm.reachability`): the address
+Bind address (ranks on several hosts only; see :mod:`gradcomm.comm._reachability`): the address
 the rank reached the store from, unless the backend's interface variable is set; then every rank
 checks that it reaches every other rank's address, so a bad address is an error on every rank
 instead of a wait. The hostname is never trusted alone: Debian maps it to 127.0.1.1.
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ._mpi_abort import abort_on_error_enabled, install_abort_hook
+from ._netaddr import interface_of, is_loopback, publish_candidates, resolve_ipv4
+from ._reachability import POLL_S, bind_address, check_reachable, first_answering
 from .launcher import Launcher, LaunchInfo, check_launch_matches_mpi, started_by_mpi_launcher
-from .mpi_abort import abort_on_error_enabled, install_abort_hook
-from .netaddr import interface_of, is_loopback, publish_candidates, resolve_ipv4
-from .reachability import POLL_S, bind_address, check_reachable, first_answering
 
 __all__ = ["Rendezvous", "create_store", "rendezvous"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .validation import check_writable
+from ._validation import check_writable
 
 __all__ = ["flat_bytes", "plain", "overlap"]
 
@@ -36,7 +36,7 @@ def plain(tensor: torch.Tensor, written_by: str | None = None) -> torch.Tensor:
     swapped). Callers copy the result back into ``tensor``, which honours the bits.
 
     Raises:
-        ValueError: from :func:`~gradcomm.comm.validation.check_writable` when ``written_by``
+        ValueError: from :func:`~gradcomm.comm._validation.check_writable` when ``written_by``
             (the collective's name) is given, i.e. the result will be written into ``tensor``.
     """
     if tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj():

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .issue import IssuePath
-from .tensors import plain
-from .validation import check_call_args, check_writable
+from ._issue import IssuePath
+from ._tensors import plain
+from ._validation import check_call_args, check_writable
 from .work import Description, DescriptionLike, Work, writing_into
 
 __all__ = ["P2PKind", "P2POp", "PointToPoint", "TAG_LIMIT", "Transfer", "check_peer", "check_tag",

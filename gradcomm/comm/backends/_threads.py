@@ -19,9 +19,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from .._p2p import copy_into
+from .._split import SplitPlan
 from ..communicator import Communicator
-from ..p2p import copy_into
-from ..split import SplitPlan
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work, writing_into
 

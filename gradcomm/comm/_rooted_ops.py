@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from .emulation import average_into
-from .issue import IssuePath
-from .tensors import overlap, plain
-from .types import ReduceOp
-from .validation import (
+from ._emulation import average_into
+from ._issue import IssuePath
+from ._tensors import overlap, plain
+from ._validation import (
     check_avg,
     check_call_args,
     check_rank_arg,
     check_same_dtype,
     check_writable,
 )
+from .types import ReduceOp
 from .work import CompletedWork, Description, DescriptionLike, Work, writing_into
 
 __all__ = ["RootedOps"]

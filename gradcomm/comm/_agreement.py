@@ -16,10 +16,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .env_flag import env_flag
+from ._env_flag import env_flag
+from ._mpi_abort import ABORT_ENV_VAR, install_abort_hook
 from .errors import BackendUnavailableError, CollectiveTimeoutError, brief
 from .launcher import launch_mismatch, started_by_mpi_launcher
-from .mpi_abort import ABORT_ENV_VAR, install_abort_hook
 
 __all__ = ["agree_on_settings", "joins_agreement"]
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .issue import IssuePath
-from .validation import check_rank_arg
+from ._issue import IssuePath
+from ._validation import check_rank_arg
 
 if TYPE_CHECKING:  # pragma: no cover
     from .work import Work

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
-from .netaddr import (
+from ._netaddr import (
     interface_addresses,
     is_loopback,
     matches_ifname,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .issue import IssuePath
+from ._issue import IssuePath
 
 if TYPE_CHECKING:  # pragma: no cover
     from .communicator import Communicator

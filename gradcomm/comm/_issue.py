@@ -1,13 +1,13 @@
 """The one path every public collective takes from checked arguments to a backend hook.
 
 :class:`IssuePath` is the base of :class:`~gradcomm.comm.Communicator` and of its collective
-mixins (:mod:`~gradcomm.comm.shard_ops`, :mod:`~gradcomm.comm.rooted_ops`,
-:mod:`~gradcomm.comm.object_ops`): a collective checks its arguments on every rank
-(:mod:`~gradcomm.comm.validation`), then calls :meth:`IssuePath._issue`, which compares the
-call across ranks where the debug level asks for it (:mod:`~gradcomm.comm.consistency`), tells
+mixins (:mod:`~gradcomm.comm._shard_ops`, :mod:`~gradcomm.comm._rooted_ops`,
+:mod:`~gradcomm.comm._object_ops`): a collective checks its arguments on every rank
+(:mod:`~gradcomm.comm._validation`), then calls :meth:`IssuePath._issue`, which compares the
+call across ranks where the debug level asks for it (:mod:`~gradcomm.comm._consistency`), tells
 the profiler, starts the hook, copies a contiguous stand-in back into the caller's tensor on
 completion, binds the :class:`~gradcomm.comm.Work` to the stall guard
-(:mod:`~gradcomm.comm.stalls`) and waits unless ``async_op``.
+(:mod:`~gradcomm.comm._stalls`) and waits unless ``async_op``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import ClassVar
 
 import torch
 
-from .consistency import ConsistencyCheck
-from .group import GroupMember
+from ._consistency import ConsistencyCheck
+from ._group import GroupMember
+from ._stalls import StallGuard
+from ._validation import TensorChecks
 from .observer import CollectiveObserver
-from .stalls import StallGuard
 from .types import Collective, ReduceOp, Support
-from .validation import TensorChecks
 from .work import DescriptionLike, Work
 
 __all__ = ["IssuePath"]

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .emulation import complex_support
+from ._emulation import complex_support
 from .types import Collective, Support, SupportLevel
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .issue import IssuePath
+    from ._issue import IssuePath
 
 __all__ = ["collective_support", "emulated"]
 
@@ -58,6 +58,6 @@ def collective_support(collective: Collective, dtype: torch.dtype, device: torch
 
 
 def _keeps_default(comm: IssuePath, hook: str) -> bool:
-    from .shard_ops import ShardOps  # the class whose default is an emulation
+    from ._shard_ops import ShardOps  # the class whose default is an emulation
 
     return getattr(type(comm), hook) is getattr(ShardOps, hook)

@@ -1,8 +1,8 @@
 """Collectives that give each rank its own shard: ``reduce_scatter`` and ``all_to_all``.
 
 A mixin of :class:`~gradcomm.comm.Communicator`: each method checks its arguments on every rank
-before any transport call (:mod:`~gradcomm.comm.validation`), then takes the common issue path
-(:class:`~gradcomm.comm.issue.IssuePath`) to one backend hook (``_reduce_scatter``,
+before any transport call (:mod:`~gradcomm.comm._validation`), then takes the common issue path
+(:class:`~gradcomm.comm._issue.IssuePath`) to one backend hook (``_reduce_scatter``,
 ``_all_to_all``). Semantics and names are torch.distributed's ``reduce_scatter_tensor`` and
 ``all_to_all_single``.
 """
@@ -14,11 +14,10 @@ import math
 
 import torch
 
-from .emulation import average_into
-from .issue import IssuePath
-from .tensors import overlap, plain
-from .types import ReduceOp
-from .validation import (
+from ._emulation import average_into
+from ._issue import IssuePath
+from ._tensors import overlap, plain
+from ._validation import (
     check_avg,
     check_call_args,
     check_reduce_scatter,
@@ -26,6 +25,7 @@ from .validation import (
     check_splits,
     check_writable,
 )
+from .types import ReduceOp
 from .work import CompletedWork, Description, DescriptionLike, Work, writing_into
 
 __all__ = ["ShardOps"]
