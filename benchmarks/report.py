@@ -30,6 +30,9 @@ BASELINES = (
     ("sharded_memory.json", "Sharded data parallel memory"),
 )
 PLOT = "allreduce_busbw.png"
+# step_time.py's models of many small parameter tensors (its MANY_PARAM_MODELS): the only ones
+# whose per-parameter cost the page shows (on the others a step's fixed costs dominate it).
+PER_PARAM_MODELS = ("scalars", "small_layers")
 
 
 def _f(value: float | None, digits: int) -> str:
@@ -82,7 +85,7 @@ def step_time_tables(doc: dict[str, Any]) -> list[str]:
             )
             label = ""
     per_param = [(res, name, v) for res in doc["results"] for name, v in res["variants"].items()
-                 if v.get("us_per_param") is not None]
+                 if res["model"] in PER_PARAM_MODELS and v.get("us_per_param") is not None]
     if per_param:
         lines += ["", "Per-parameter cost (models of many small parameter tensors): the median "
                   "over rounds of a variant's forward+backward time minus `local`'s in the same "
