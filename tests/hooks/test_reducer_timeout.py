@@ -102,7 +102,10 @@ def test_gloo_rank_fails_mid_backward(mode: str, source: str) -> None:
         assert codes[rank] not in (None, 0), (rank, codes, out)  # exited non-zero, by itself
         assert ended[rank] - failed_at < TIMEOUT + MARGIN, (rank, ended[rank] - failed_at, out)
         assert float(rec["elapsed"]) < TIMEOUT + MARGIN, rec
-        assert "all_reduce" in rec["message"] and "bucket" in rec["message"], rec
+        # named by the collective that noticed the dead peer: a bucket, or the control tensor
+        # sent after the last one (which gloo may refuse first)
+        assert "all_reduce" in rec["message"], rec
+        assert "bucket" in rec["message"] or "control tensor" in rec["message"], rec
         if mode == "stall":
             assert rec["type"] == "CollectiveTimeoutError", rec
             assert f"within {TIMEOUT} s" in rec["message"], rec
