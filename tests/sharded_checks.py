@@ -184,6 +184,14 @@ def bad_input_cases(comm: gradcomm.Communicator) -> list[str]:
                                               params=[*model.parameters(), other]),
                      ValueError, "not one the reducer owns"),
     ]
+    instance = torch.optim.SGD(model.parameters(), lr=0.1)
+    out.append(expect_error(lambda: ShardedOptimizer(reducer, instance), TypeError,  # type: ignore[arg-type]
+                            "pass the class"))
+    ShardedOptimizer(reducer, torch.optim.SGD, stage=2, lr=0.1)
+    out.append(expect_error(lambda: ShardedOptimizer(reducer, torch.optim.SGD, stage=2, lr=0.1),
+                            RuntimeError, "already has a ShardedOptimizer"))
+    reducer.remove()
+    reducer = GradientReducer(model, comm)
     reducer.register_comm_hook("fp16_compress")
     out.append(expect_error(lambda: ShardedOptimizer(reducer, torch.optim.SGD, stage=2, lr=0.1),
                             ValueError, "reduce-scatter"))

@@ -18,7 +18,7 @@ from ._buckets import SharedBucket
 from ._shard_grads import ReduceScatterGrads, attach_grads, clip_grad_norm, reduce_scatter_hook
 from ._shard_layout import BucketShard, check_dense, gather_params
 from ._shard_state import gather_full_state, local_state
-from .comm_hooks import allreduce_hook
+from .comm_hooks import allreduce_hook, hierarchical_hook
 from .reducer import GradientReducer
 
 __all__ = ["ShardedOptimizer"]
@@ -33,8 +33,10 @@ def _check_args(reducer: object, optimizer_class: object, stage: object) -> None
         raise TypeError(f"reducer must be a GradientReducer, got {type(reducer).__name__}")
     if not (isinstance(optimizer_class, type)
             and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
-                        f"{optimizer_class!r}")
+        what = (f"an instance of {type(optimizer_class).__name__}; pass the class"
+                if isinstance(optimizer_class, torch.optim.Optimizer)
+                else type(optimizer_class).__name__)
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {what}")
     if issubclass(optimizer_class, _NOT_ELEMENTWISE):
         raise ValueError(f"ShardedOptimizer needs an element-wise optimizer; "
                          f"{optimizer_class.__name__} reads whole parameters (use it unsharded)")
@@ -115,6 +117,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _check_stage2(self) -> None:
         r = self.reducer
+        if r._backward.sink is not None:
+            raise RuntimeError("this reducer already has a ShardedOptimizer of stage 2; build one "
+                               "per reducer")
+        if r._comm_hook.fn is hierarchical_hook:
+            raise ValueError("ShardedOptimizer stage 2 reduce-scatters buckets itself; build the "
+                             "GradientReducer without hierarchical=True")
         if r._comm_hook.fn is not allreduce_hook:
             raise ValueError("ShardedOptimizer stage 2 turns the reducer's all-reduce into a "
                              "reduce-scatter; its comm hook must be 'allreduce', got "

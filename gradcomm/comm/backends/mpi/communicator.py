@@ -72,12 +72,12 @@ from ...errors import BackendUnavailableError
 from ...launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
 from ...types import ReduceOp, Support
 from ...work import DescriptionLike, Work
-from .support import classify
 from .dtypes import HALF, MPI_BUFFER, SUM_FAST, mpi_op, predefined_datatype
 from .groups import MPIGroupOps
 from .ops16 import half_op, uses_user_op
 from .scratch import ScratchPool
 from .shard import MPIShardOps
+from .support import classify
 from .work import MPIWork
 
 if TYPE_CHECKING:  # pragma: no cover
