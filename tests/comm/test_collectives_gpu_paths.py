@@ -25,17 +25,6 @@ def _cuda(t: torch.Tensor) -> FakeDeviceTensor:
     return FakeDeviceTensor(t.clone(), "cuda:0")
 
 
-@pytest.fixture
-def cupy_comm(monkeypatch: pytest.MonkeyPatch) -> Any:
-    fake = install(monkeypatch)
-    nccl_mod = install_cupy(monkeypatch, fake.log)
-    monkeypatch.setattr(cupy_nccl, "create_store", lambda *a: dist.HashStore())
-    comm = cupy_nccl.CupyNCCLCommunicator(LaunchInfo(0, 2, 0, 1, Launcher.EXPLICIT), timeout=5.0)
-    fake.log.calls.clear()
-    yield comm, fake, nccl_mod
-    comm.close()
-
-
 def test_cupy_nccl_reduce_scatter_runs_on_the_side_stream_and_records_both_buffers(
     cupy_comm: Any,
 ) -> None:

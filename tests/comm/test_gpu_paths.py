@@ -40,17 +40,6 @@ def _launch(rank: int = 0, world: int = 2, local_rank: int = 0, local_world: int
 
 
 # ============================================================================ 2. cupy-nccl streams
-@pytest.fixture
-def cupy_comm(monkeypatch: pytest.MonkeyPatch) -> Any:
-    fake = install(monkeypatch)
-    nccl_mod = install_cupy(monkeypatch, fake.log)
-    monkeypatch.setattr(cupy_nccl, "create_store", lambda *a: dist.HashStore())
-    comm = cupy_nccl.CupyNCCLCommunicator(_launch(), timeout=5.0)
-    fake.log.calls.clear()
-    yield comm, fake, nccl_mod
-    comm.close()
-
-
 def test_cupy_nccl_runs_on_its_own_stream_ordered_like_process_group_nccl(cupy_comm: Any) -> None:
     comm, fake, _ = cupy_comm
     [side] = fake.side_streams

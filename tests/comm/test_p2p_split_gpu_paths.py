@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from fake_cuda import install, install_cupy
 
 from gradcomm.comm import Launcher, LaunchInfo, P2POp
@@ -25,20 +24,8 @@ def _cuda(t: torch.Tensor) -> Any:
     return FakeDeviceTensor(t.clone(), "cuda:0")
 
 
-@pytest.fixture
-def cupy_pair(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Rank 0 of 2 on the fake NCCL."""
-    fake = install(monkeypatch)
-    nccl_mod = install_cupy(monkeypatch, fake.log)
-    monkeypatch.setattr(cupy_nccl, "create_store", lambda *a: dist.HashStore())
-    comm = cupy_nccl.CupyNCCLCommunicator(LaunchInfo(0, 2, 0, 1, Launcher.EXPLICIT), timeout=5.0)
-    fake.log.calls.clear()
-    yield comm, fake, nccl_mod
-    comm.close()
-
-
-def test_cupy_nccl_send_and_recv_move_bytes_on_the_side_stream(cupy_pair: Any) -> None:
-    comm, fake, _ = cupy_pair
+def test_cupy_nccl_send_and_recv_move_bytes_on_the_side_stream(cupy_comm: Any) -> None:
+    comm, fake, _ = cupy_comm
     [side] = fake.side_streams
     t = _cuda(torch.arange(6.0))
     comm.send(t, 1, tag=3)
@@ -50,8 +37,8 @@ def test_cupy_nccl_send_and_recv_move_bytes_on_the_side_stream(cupy_pair: Any) -
         comm.recv(t, 0)
 
 
-def test_cupy_nccl_batch_is_one_group_with_events_recorded_after_it(cupy_pair: Any) -> None:
-    comm, fake, _ = cupy_pair
+def test_cupy_nccl_batch_is_one_group_with_events_recorded_after_it(cupy_comm: Any) -> None:
+    comm, fake, _ = cupy_comm
     a, b = _cuda(torch.zeros(4)), _cuda(torch.ones(4))
     works = comm.batch_isend_irecv([P2POp("recv", a, 1), P2POp("send", b, 1)])
     names = [c[0] for c in fake.log.calls]
