@@ -7,6 +7,7 @@ are killed, and a failing rank's traceback is returned to the test process and s
 from __future__ import annotations
 
 import functools
+import importlib
 import multiprocessing as mp
 import os
 import queue
@@ -282,3 +283,12 @@ def run_mpi(
         full_env.pop(key, None)  # a torchrun-style variable would win over the MPI launcher's
     cmd = [exe, *_mpiexec_flags(exe), "-n", str(n), sys.executable, str(script), *args]
     return run_command(cmd, timeout=timeout, env=full_env, check=check)
+
+
+def benchmark_module(name: str) -> Any:
+    """Import ``benchmarks/<name>.py`` (a script folder, not a package) as a module."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

@@ -31,7 +31,7 @@ from gradcomm.bench import (
 )
 from gradcomm.bench.__main__ import main
 
-from dist_utils import REPO_ROOT, run_mpi, run_processes
+from dist_utils import REPO_ROOT, benchmark_module, run_mpi, run_processes
 
 MiB = 1024**2
 
@@ -350,12 +350,7 @@ def test_tiny_mpi_sweep_under_mpiexec(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- step_time helpers
 def _step_time_module() -> object:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        import step_time  # type: ignore[import-not-found]
-    finally:
-        sys.path.pop(0)
-    return step_time
+    return benchmark_module("step_time")
 
 
 def test_rotations_put_every_variant_first_in_turn() -> None:

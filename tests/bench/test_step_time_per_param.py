@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from dist_utils import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def st() -> Any:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        import step_time  # type: ignore[import-not-found]
-    finally:
-        sys.path.pop(0)
-    return step_time
+    return benchmark_module("step_time")
 
 
 @pytest.mark.parametrize(("name", "tensors"), [("scalars", 5000), ("small_layers", 1000)])
