@@ -67,6 +67,15 @@ def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: Con
             b.post = post
 
 
+def _succeeded(work: Work) -> bool:
+    """Whether ``work`` completed without error. A failed one (its error is raised by the pass
+    that waited on it, or being raised now) must not replace that error while resetting."""
+    try:
+        return work.is_completed()
+    except RuntimeError:
+        return False
+
+
 class CommHookSlot:
     """The comm hook a reducer sends its buckets through, and whether ranks agreed on it."""
 
@@ -337,7 +346,7 @@ class BackwardPass:
 
     def _reset(self) -> None:
         control = self.control
-        if control.work is not None and control.work.is_completed():
+        if control.work is not None and _succeeded(control.work):
             # Every rank reads the same sum, also for a step that raised: the buffer broadcast's
             # source (the lowest rank not joined) stays the same on every rank.
             steps = control.steps()
