@@ -725,7 +725,9 @@ def run_degenerate(comm: gradcomm.Communicator) -> Result:
     for kind in ("empty", "frozen", "zero_size"):
         model = _degenerate(kind)
         reducer = GradientReducer(model, comm, broadcast_buffers=True)
-        x = torch.randn(4, 0 if kind == "zero_size" else 3)
+        # a generator of its own: the global RNG is shared with thread ranks building models
+        x = torch.randn(4, 0 if kind == "zero_size" else 3,
+                        generator=torch.Generator().manual_seed(comm.rank))
         y = model(x)
         if y.requires_grad:
             (y.sum() * (comm.rank + 1.0)).backward()

@@ -113,7 +113,10 @@ def test_reducer_in_debug_mode_gives_the_reference_gradients(in_place: float) ->
 
     out = ThreadGroup(2, timeout=20).run(fn)
     ref = reference_grads(2)
-    assert grads_close(out[0], ref) == []  # type: ignore[arg-type]
+    # 1e-4 of each tensor's largest value: thread ranks' convolutions may round differently from
+    # the main thread's reference once other tests changed the intra-op thread settings (seen:
+    # 2.5e-5); a wrong average or a mispaired bucket is off by far more. Ranks: bit-identical.
+    assert grads_close(out[0], ref, rtol=1e-4) == []  # type: ignore[arg-type]
     assert all(torch.equal(out[0][n], out[1][n]) for n in ref)  # type: ignore[index]
 
 
