@@ -29,8 +29,36 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+
+
+def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls: int, *,
+                      warmup: int) -> dict[str, dict[str, float]]:
+    """Time each of ``kinds`` ``calls`` times, alternating them call by call in an order reversed
+    every round (after ``warmup`` rounds); call on every rank of ``world`` (an ``MPI.Comm``).
+
+    Returns, on every rank, per kind the median and 25th percentile over calls of the slowest
+    rank's time, in microseconds (``{"median_us": ..., "p25_us": ...}``).
+    """
+    names = list(kinds)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    clock = time.perf_counter
+    for _ in range(warmup):
+        for k in names:
+            kinds[k]()
+    for r in range(calls):
+        for k in (names if r % 2 else names[::-1]):
+            t0 = clock()
+            kinds[k]()
+            times[k].append(clock() - t0)
+    out = {}
+    for k, v in times.items():
+        slowest = [max(x) * 1e6 for x in zip(*world.allgather(v), strict=True)]
+        out[k] = {"median_us": statistics.median(slowest),
+                  "p25_us": statistics.quantiles(slowest, n=4)[0]}
+    return out
 
 
 def main() -> None:
@@ -72,27 +100,12 @@ def main() -> None:
         kinds["raw"] = lambda: raw.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait()
     meta = run_metadata(["mpiexec", "-n", str(world.Get_size()), "python",
                          "benchmarks/call_overhead.py", *sys.argv[1:]])
-    names = list(kinds)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    clock = time.perf_counter
-    for _ in range(20):  # warm-up
-        for k in names:
-            kinds[k]()
-    for r in range(args.calls):
-        for k in (names if r % 2 else names[::-1]):
-            t0 = clock()
-            kinds[k]()
-            times[k].append(clock() - t0)
-    gathered = {k: world.gather(v, root=0) for k, v in times.items()}
+    kinds_us = interleaved_times(world, kinds, args.calls, warmup=20)
     if world.Get_rank() == 0:
         print(f"{args.backend}, {world.Get_size()} ranks, {args.bytes} B, {args.calls} calls each, "
               "interleaved; median / 25th percentile of the max over ranks, us")
-        kinds_us = {}
-        for k, per_rank in gathered.items():
-            m = [max(x) for x in zip(*per_rank, strict=True)]
-            kinds_us[k] = {"median_us": statistics.median(m) * 1e6,
-                           "p25_us": statistics.quantiles(m, n=4)[0] * 1e6}
-            print(f"  {k:<5} {kinds_us[k]['median_us']:8.1f} {kinds_us[k]['p25_us']:8.1f}")
+        for k, row in kinds_us.items():
+            print(f"  {k:<5} {row['median_us']:8.1f} {row['p25_us']:8.1f}")
         overhead = kinds_us["comm"]["median_us"] - kinds_us["raw"]["median_us"]
         print(f"  comm - raw: {overhead:+.1f} us")
         if args.json is not None:

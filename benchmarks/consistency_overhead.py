@@ -24,14 +24,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from call_overhead import interleaved_times  # this folder: the same call-by-call timer
 
 
 def _kinds(comm: Any, nbytes: int) -> dict[str, Callable[[], object]]:
@@ -54,28 +53,6 @@ def _kinds(comm: Any, nbytes: int) -> dict[str, Callable[[], object]]:
     return {f"{name} {level}": call(level, fn)
             for name, fn in (("all_reduce", reduce), ("all_gather", gather))
             for level in ("off", "detail")}
-
-
-def _time(world: Any, kinds: dict[str, Callable[[], object]],
-          calls: int) -> dict[str, dict[str, float]]:
-    names = list(kinds)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    clock = time.perf_counter
-    for _ in range(10):  # warm-up
-        for k in names:
-            kinds[k]()
-    for r in range(calls):
-        for k in (names if r % 2 else names[::-1]):
-            t0 = clock()
-            kinds[k]()
-            times[k].append(clock() - t0)
-    gathered = {k: world.allgather(v) for k, v in times.items()}
-    out = {}
-    for k, per_rank in gathered.items():
-        slowest = [max(x) * 1e6 for x in zip(*per_rank, strict=True)]
-        out[k] = {"median_us": statistics.median(slowest),
-                  "p25_us": statistics.quantiles(slowest, n=4)[0]}
-    return out
 
 
 def main() -> None:
@@ -102,8 +79,8 @@ def main() -> None:
     for backend in ("gloo", "mpi"):
         comm = gradcomm.init(backend, timeout=60)
         for size in args.sizes:
-            kinds = _time(world, _kinds(comm, size), args.calls if size < 2**16 else
-                          max(10, args.calls // 3))
+            kinds = interleaved_times(world, _kinds(comm, size), args.calls if size < 2**16
+                                      else max(10, args.calls // 3), warmup=10)
             us = {k: v["median_us"] for k, v in kinds.items()}
             rows.append({"backend": backend, "bytes": size, "kinds": kinds,
                          "detail_ratio": us["all_reduce detail"] / us["all_reduce off"],
