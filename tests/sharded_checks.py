@@ -16,6 +16,7 @@ from torch import nn
 
 import gradcomm
 from gradcomm.hooks import GradientReducer, ShardedOptimizer
+from gradcomm.hooks._shard_grads import ShardedGrad
 
 GLOBAL = 12  # samples per step, divisible by 2, 3 and 4
 # Stage 1 steps each element with the same arithmetic as the reference: bit for bit. Stage 2
@@ -98,8 +99,8 @@ def train(comm: gradcomm.Communicator, name: str, stage: int | None, steps: int,
             (((model(x[h:]) - y[h:]) ** 2).sum() / len(x)).backward()
         else:
             ((model(x) - y) ** 2).mean().backward()
-        if stage == 2 and any(p.grad is not None for p in model.parameters()):
-            raise AssertionError("stage 2 left a full gradient in param.grad")
+        if stage == 2:
+            check_no_full_grads(model)
         if clip is not None:
             if stage is None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -112,6 +113,19 @@ def train(comm: gradcomm.Communicator, name: str, stage: int | None, steps: int,
             after(opt, model, step)
     reducer.remove()
     return model, opt
+
+
+def check_no_full_grads(model: nn.Module) -> None:
+    """Stage 2 after a backward: no parameter holds a full gradient, and code that would read one
+    (torch's global-norm clipping, a norm taken of ``param.grad``) raises on this rank."""
+    if any(p.grad is not None and type(p.grad) is not ShardedGrad for p in model.parameters()):
+        raise AssertionError("stage 2 left a full gradient in param.grad")
+    expect_error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), RuntimeError,
+                 "opt.clip_grad_norm_()")
+    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+    expect_error(lambda: grad.norm(), RuntimeError, "norm() on param.grad")
+    if tuple(grad.shape) != tuple(next(model.parameters()).shape):
+        raise AssertionError(f"stand-in gradient of shape {tuple(grad.shape)}")
 
 
 def params_of(model: nn.Module) -> torch.Tensor:

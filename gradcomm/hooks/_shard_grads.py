@@ -6,12 +6,18 @@ Stage 1 reads the shard out of ``param.grad`` (the reducer all-reduced it as usu
 :func:`reduce_scatter_hook` sums each bucket into this rank's shard only, and its sink replaces the
 reducer's write-back -- the shard is averaged (post-divided) and kept, added to what an earlier
 synchronised backward since ``zero_grad`` left (as gradients accumulate in ``param.grad``), and
-every ``param.grad`` of the bucket is set to None.
+every ``param.grad`` of the bucket is set to a :class:`ShardedGrad`: a stand-in that refuses every
+operation, so that code reading the full gradient (``torch.nn.utils.clip_grad_norm_``, a gradient
+norm logged from ``param.grad``, ``GradScaler.unscale_``) raises instead of silently skipping a
+gradient that is None. A tensor hook (:func:`drop_stand_in`) clears it before autograd accumulates
+the next backward's gradient.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Any
 
 import torch
 
@@ -22,7 +28,44 @@ from ._buckets import Bucket
 from ._shard_layout import BucketShard, flat_of
 from .comm_hooks import GradBucket, warn_if_slow
 
-__all__ = ["ReduceScatterGrads", "reduce_scatter_hook", "attach_grads", "clip_grad_norm"]
+__all__ = ["ReduceScatterGrads", "ShardedGrad", "reduce_scatter_hook", "attach_grads",
+           "clip_grad_norm", "drop_stand_in"]
+
+# What a ShardedGrad still answers: its metadata (shape, dtype, device, ``is None`` checks of
+# torch's own code), nothing that reads or writes values.
+_METADATA = frozenset({"size", "dim", "__hash__", "is_floating_point", "is_complex"})
+
+
+class ShardedGrad(torch.Tensor):
+    """``param.grad`` after a stage-2 backward: the parameter's shape, dtype and device over one
+    element of storage; every operation raises RuntimeError (the averaged gradient exists only as
+    the ranks' shards, see :meth:`ShardedOptimizer.clip_grad_norm_`)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name == "__get__" or name in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+        raise RuntimeError(
+            f"{name or func}() on param.grad: in ShardedOptimizer stage 2 each rank keeps only its "
+            "shard of the gradients; clip with opt.clip_grad_norm_() (docs/sharded.md)")
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    @staticmethod
+    def of(param: torch.Tensor) -> ShardedGrad:
+        """The stand-in for ``param``'s gradient (one element of storage, expanded)."""
+        one = torch.zeros((), dtype=param.dtype, device=param.device)
+        return one.expand(param.shape).as_subclass(ShardedGrad)
+
+
+def drop_stand_in(ref: weakref.ref[torch.Tensor], grad: torch.Tensor) -> None:
+    """Tensor hook of a stage-2 parameter, run before autograd accumulates ``grad``: a
+    :class:`ShardedGrad` in ``param.grad`` is cleared, so the new gradient is stored, not added."""
+    param = ref()
+    if param is not None and type(param.grad) is ShardedGrad:
+        param.grad = None
 
 
 class ReduceScatterGrads:
@@ -31,6 +74,7 @@ class ReduceScatterGrads:
     def __init__(self, comm: Communicator, shards: list[BucketShard]) -> None:
         self.comm = comm
         self.shards = shards
+        self.stand_ins = [[ShardedGrad.of(p) for p in bs.bucket.params] for bs in shards]
 
     def launch(self, bucket: GradBucket) -> Work:
         """Start the reduce-scatter (SUM) of one bucket into this rank's shard."""
@@ -67,9 +111,10 @@ class ReduceScatterGrads:
             if accumulate:
                 bs.grad.add_(out)
         bs.filled = True
-        for slot, p in enumerate(b.params):
+        for slot, (p, stand_in) in enumerate(zip(b.params, self.stand_ins[b.index],
+                                                 strict=True)):
             bs.present[slot] = bs.present[slot] or flags[slot] > 0
-            p.grad = None
+            p.grad = stand_in
 
 
 def reduce_scatter_hook(state: ReduceScatterGrads, bucket: GradBucket) -> Work:

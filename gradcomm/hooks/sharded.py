@@ -8,14 +8,23 @@ Parameter Models", SC 2020) and with the interface of torch's ``ZeroRedundancyOp
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from ._buckets import SharedBucket
-from ._shard_grads import ReduceScatterGrads, attach_grads, clip_grad_norm, reduce_scatter_hook
+from ._shard_grads import (
+    ReduceScatterGrads,
+    ShardedGrad,
+    attach_grads,
+    clip_grad_norm,
+    drop_stand_in,
+    reduce_scatter_hook,
+)
 from ._shard_layout import BucketShard, check_dense, gather_params
 from ._shard_state import gather_full_state, local_state
 from .comm_hooks import allreduce_hook, hierarchical_hook
@@ -59,7 +68,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             them and all-gathers the parameters at the end of :meth:`step`. 2 -- as 1, and the
             reducer reduce-scatters each bucket instead (``Communicator.reduce_scatter``): after
             backward a rank keeps the averaged gradients of its shards only and every
-            ``param.grad`` of the reducer is None.
+            ``param.grad`` of the reducer is a stand-in that raises RuntimeError when used.
         **defaults: the optimizer's hyperparameters (``lr=...``). ``params`` (optional): the
             parameters or parameter groups (dicts, as torch.optim takes them) -- default: all of
             the reducer's parameters in one group. Frozen parameters (``requires_grad=False``)
@@ -78,8 +87,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         RuntimeError: stage 2 after the reducer's first synchronised backward pass, or a second
             stage-2 optimizer on one reducer.
 
-    Use :meth:`clip_grad_norm_` for clipping: in stage 2 ``param.grad`` is None after backward,
-    so ``torch.nn.utils.clip_grad_norm_(model.parameters())`` finds no gradient and clips nothing.
+    Use :meth:`clip_grad_norm_` for clipping. In stage 2 ``param.grad`` holds no gradient after
+    backward, so ``torch.nn.utils.clip_grad_norm_(model.parameters())`` raises RuntimeError (any
+    operation on such a ``param.grad`` does) rather than clip nothing.
     Checkpoints: :meth:`state_dict` (full, any world size) and :meth:`sharded_state_dict` (this
     rank's part, same world size).
     """
@@ -114,6 +124,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grads = ReduceScatterGrads(self._comm, self._shards)
             reducer.register_comm_hook(reduce_scatter_hook, grads)
             reducer._backward.sink = grads.sink
+            self._grad_hooks = [p.register_hook(partial(drop_stand_in, weakref.ref(p)))
+                                for b in buckets for p in b.params]
 
     def _check_stage2(self) -> None:
         r = self.reducer
@@ -194,6 +206,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: ``param.grad`` of every parameter in the groups, the shards'
         gradients and (stage 2) the kept gradient shards."""
+        for p in self.reducer._params:
+            if type(p.grad) is ShardedGrad:
+                p.grad = None
         super().zero_grad(set_to_none)
         self.optim.zero_grad(set_to_none)
         for bs in self._shards:
@@ -226,7 +241,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stage 2, the kept gradient shards) and ``comm_buffers`` (the reducer's bucket buffers and
         the two all-gather buffers of :meth:`step`, made by the first step)."""
         def size(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
+            return 0 if t is None or type(t) is ShardedGrad else t.numel() * t.element_size()
 
         state = sum(size(v) for st in self.optim.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor))
