@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..comm.errors import brief
 
@@ -23,7 +24,31 @@ if TYPE_CHECKING:
     from .reducer import GradientReducer
 
 __all__ = ["BackwardEnd", "ForwardPreHook", "StrongRef", "PassRef", "before_accumulate",
-           "current_autograd_node", "on_grad_ready", "queue_engine_callback"]
+           "current_autograd_node", "on_grad_ready", "queue_engine_callback",
+           "refuse_recorded_graphs"]
+
+STALE_GRAPH = ("GradientReducer: backward of a graph recorded before the reducer was built (its "
+               "construction broadcast changed the parameters); build the reducer first, then "
+               "forward and backward")
+
+
+def _refuse(grad_outputs: tuple[torch.Tensor, ...]) -> None:
+    raise RuntimeError(STALE_GRAPH)
+
+
+def refuse_recorded_graphs(params: list[torch.Tensor]) -> list[RemovableHandle]:
+    """Make the backward of every graph recorded so far through ``params`` raise RuntimeError
+    (:data:`STALE_GRAPH`) when it reaches one of them, before the reducer's hooks run; returns
+    the hooks' handles.
+
+    A leaf's gradient accumulator node lives as long as some graph refers to it, and a graph
+    recorded while it lives shares it: the pre-hook registered on it here is reached by the
+    graphs that exist now and, until the handles are removed (at the module's first forward with
+    gradients), by new ones. A graph recorded after that gets a new accumulator if the old graphs
+    are gone, or shares theirs without the hook.
+    """
+    return [torch.autograd.graph.get_gradient_edge(p).node.register_prehook(_refuse)
+            for p in params if p.requires_grad]
 
 
 def queue_engine_callback(fn: Any) -> None:

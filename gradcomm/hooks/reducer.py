@@ -57,7 +57,14 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.communicator import Communicator
 from ..comm.errors import MESSAGE_LIMIT, brief
 from ..comm.hierarchical import HierarchicalAllReduce
-from ._autograd import ForwardPreHook, PassRef, StrongRef, before_accumulate, on_grad_ready
+from ._autograd import (
+    ForwardPreHook,
+    PassRef,
+    StrongRef,
+    before_accumulate,
+    on_grad_ready,
+    refuse_recorded_graphs,
+)
 from ._backward import BackwardPass, CommHookSlot
 from ._buckets import (
     Bucket,
@@ -115,8 +122,10 @@ def _no_reducer() -> None:
 
 def _agree_on_model(comm: Communicator, module: nn.Module | None, named: list[tuple[str, Any]],
                     opts: ReducerOptions, resolved: tuple[float, float],
-                    hook_fn: CommHookFn) -> None:
+                    hook_fn: CommHookFn) -> list[RemovableHandle]:
     """Ranks agree on the options and the model (the first collective), then on its state.
+    Returns the hooks refusing graphs recorded before (see :func:`refuse_recorded_graphs`),
+    to remove at the module's first forward with gradients.
 
     Raises:
         ValueError: on every rank, naming the first entry that differs.
@@ -143,15 +152,23 @@ def _agree_on_model(comm: Communicator, module: nn.Module | None, named: list[tu
         base = brief(str(exc).removesuffix(f"; {_MODEL_FIX}"),
                      MESSAGE_LIMIT - len(_OPTIONS_ADVICE) - 2)
         raise ValueError(f"{base}; {_OPTIONS_ADVICE}") from None
-    if opts.broadcast_parameters:
-        params = [p.detach() for _, p in named]
-        broadcast_tensors(comm, params + [b for _, b in buffers])
+    if not opts.broadcast_parameters:
+        return []
+    # A graph recorded before now saved the old values: every rank must refuse its backward
+    # (rank 0's values did not change, but it would wait for the others in its first bucket).
+    params = [p.detach() for _, p in named]
+    if module is None:
+        # Nothing marks the first new graph: autograd refuses the old one ("modified by an
+        # inplace operation"), on rank 0 too since its versions are bumped as the others' are.
+        broadcast_tensors(comm, params)
         if comm.rank == 0:
-            # The others' copy bumped their parameters' versions; rank 0's too, so that a graph
-            # recorded before the reducer existed is refused by autograd on every rank alike
-            # ("modified by an inplace operation"), before any collective, rather than on the
-            # receiving ranks only while rank 0 waits in the first bucket (docs/failures.md).
             torch.autograd.graph.increment_version(params)
+        return []
+    stale = refuse_recorded_graphs([p for _, p in named])
+    # Through ``.data``, which keeps the version counters: autograd's own error would come
+    # before the reducer's, and on the receiving ranks only.
+    broadcast_tensors(comm, [p.data for _, p in named] + [b for _, b in buffers])
+    return stale
 
 
 def _make_buckets(opts: ReducerOptions, trainable: list[tuple[int, str, nn.Parameter]],
@@ -299,7 +316,8 @@ class GradientReducer:
         resolved = opts.resolved(comm)
         self._first_bucket_cap_mb, self._in_place_min_mb = resolved
         try:
-            _agree_on_model(comm, self._module, named, opts, resolved, hook_fn)
+            self._stale_graphs = _agree_on_model(comm, self._module, named, opts, resolved,
+                                                 hook_fn)
         except BaseException:
             release_params(self._guard)
             raise
@@ -332,7 +350,15 @@ class GradientReducer:
         return handles
 
     def _on_forward(self, module: nn.Module) -> None:
+        if self._stale_graphs and torch.is_grad_enabled():
+            # Graphs recorded from now on are new (they may share the old graph's nodes).
+            self._drop_stale_graph_hooks()
         self._backward.on_forward(module)
+
+    def _drop_stale_graph_hooks(self) -> None:
+        for h in self._stale_graphs:
+            h.remove()
+        self._stale_graphs = []
 
     # ------------------------------------------------------------------ public API
     @property
@@ -451,6 +477,7 @@ class GradientReducer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._drop_stale_graph_hooks()
         if self._watch is not None:
             self._watch.close()
         self._backward.removed = True
