@@ -204,6 +204,8 @@ def bad_input_cases(comm: gradcomm.Communicator) -> list[str]:
     ShardedOptimizer(reducer, torch.optim.SGD, stage=2, lr=0.1)
     out.append(expect_error(lambda: ShardedOptimizer(reducer, torch.optim.SGD, stage=2, lr=0.1),
                             RuntimeError, "already has a ShardedOptimizer"))
+    out.append(expect_error(reducer.join, RuntimeError,
+                            "reducer.join() is not supported with a ShardedOptimizer"))
     reducer.remove()
     reducer = GradientReducer(model, comm)
     reducer.register_comm_hook("fp16_compress")

@@ -77,7 +77,8 @@ class ObjectOps(IssuePath):
         Raises:
             TypeError: on every rank, some rank's object cannot be pickled (the message names
                 the first such rank).
-            RuntimeError: the communicator is closed.
+            RuntimeError: the communicator is closed; a rank's size exchange shows that it
+                called another collective (seen when what it sent is not a size).
             CollectiveTimeoutError: a rank did not take part within the timeout.
         """
         self._check_open()
@@ -88,7 +89,10 @@ class ObjectOps(IssuePath):
         self.all_gather(sizes, mine)
         counts = [int(n) for n in sizes.tolist()]
         if min(counts) < 0:
-            bad = counts.index(-1)
+            bad = next(r for r, n in enumerate(counts) if n < 0)
+            if counts[bad] != -1:  # not a size: that rank called another collective
+                raise RuntimeError(f"all_gather_object: rank {bad} sent no object size; ranks "
+                                   "called different collectives (GRADCOMM_DEBUG=detail names it)")
             why = f": {error}" if error else ""
             raise TypeError(f"all_gather_object: rank {bad}'s object cannot be pickled{why}")
         width = max(counts)

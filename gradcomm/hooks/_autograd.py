@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BackwardEnd", "ForwardPreHook", "StrongRef", "PassRef", "before_accumulate",
            "current_autograd_node", "on_grad_ready", "queue_engine_callback",
-           "refuse_recorded_graphs"]
+           "refuse_recorded_graphs", "remove_handles"]
 
 STALE_GRAPH = ("GradientReducer: backward of a graph recorded before the reducer was built (its "
                "construction broadcast changed the parameters); build the reducer first, then "
@@ -49,6 +49,13 @@ def refuse_recorded_graphs(params: list[torch.Tensor]) -> list[RemovableHandle]:
     """
     return [torch.autograd.graph.get_gradient_edge(p).node.register_prehook(_refuse)
             for p in params if p.requires_grad]
+
+
+def remove_handles(handles: list[RemovableHandle]) -> list[RemovableHandle]:
+    """Remove every hook of ``handles``; returns an empty list (what is left)."""
+    for h in handles:
+        h.remove()
+    return []
 
 
 def queue_engine_callback(fn: Any) -> None:

@@ -48,7 +48,8 @@ class ShardedGrad(torch.Tensor):
             return super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         raise RuntimeError(
             f"{name or func}() on param.grad: in ShardedOptimizer stage 2 each rank keeps only its "
-            "shard of the gradients; clip with opt.clip_grad_norm_() (docs/sharded.md)")
+            "shard of the gradients; use opt.clip_grad_norm_() and opt.zero_grad() "
+            "(docs/sharded.md)")
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"

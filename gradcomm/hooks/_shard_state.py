@@ -73,7 +73,7 @@ def gather_full_state(comm: Communicator, shards: list[BucketShard], optim_state
             for k, v in entry.items():
                 if not (isinstance(v, tuple) and v and v[0] == _ELEMENTWISE):
                     out.setdefault(idx, {})[k] = v
-    return out
+    return dict(sorted(out.items()))  # in parameter order, as torch.optim's state_dict()
 
 
 def local_state(shards: list[BucketShard], full_state: dict[int, dict[str, Any]],

@@ -64,6 +64,7 @@ from ._autograd import (
     before_accumulate,
     on_grad_ready,
     refuse_recorded_graphs,
+    remove_handles,
 )
 from ._backward import BackwardPass, CommHookSlot
 from ._buckets import (
@@ -316,6 +317,7 @@ class GradientReducer:
         resolved = opts.resolved(comm)
         self._first_bucket_cap_mb, self._in_place_min_mb = resolved
         try:
+            self._join_refused = ""  # why join() cannot be used (set by a ShardedOptimizer)
             self._stale_graphs = _agree_on_model(comm, self._module, named, opts, resolved,
                                                  hook_fn)
         except BaseException:
@@ -352,13 +354,8 @@ class GradientReducer:
     def _on_forward(self, module: nn.Module) -> None:
         if self._stale_graphs and torch.is_grad_enabled():
             # Graphs recorded from now on are new (they may share the old graph's nodes).
-            self._drop_stale_graph_hooks()
+            self._stale_graphs = remove_handles(self._stale_graphs)
         self._backward.on_forward(module)
-
-    def _drop_stale_graph_hooks(self) -> None:
-        for h in self._stale_graphs:
-            h.remove()
-        self._stale_graphs = []
 
     # ------------------------------------------------------------------ public API
     @property
@@ -422,9 +419,12 @@ class GradientReducer:
         Raises:
             TypeError: ``divide_by_initial_world_size`` is not a bool.
             RuntimeError: on leaving the block inside :meth:`no_sync`, with a backward in
-                flight, or after a failed backward pass.
+                flight, or after a failed backward pass; on entering it when a
+                :class:`~gradcomm.hooks.ShardedOptimizer` steps this reducer's parameters.
             CollectiveTimeoutError: the other ranks ran no synchronised step within the timeout.
         """
+        if self._join_refused:  # raised on entry, on every rank alike
+            raise RuntimeError(self._join_refused)
         return join_context(self._backward, divide_by_initial_world_size)
 
     def register_comm_hook(self, hook: CommHook | str | CommHookFn, state: Any = None) -> None:
@@ -477,7 +477,7 @@ class GradientReducer:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._drop_stale_graph_hooks()
+        self._stale_graphs = remove_handles(self._stale_graphs)
         if self._watch is not None:
             self._watch.close()
         self._backward.removed = True

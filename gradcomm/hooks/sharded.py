@@ -114,6 +114,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optim = optimizer_class(
             [self._local_group(g) for g in self.param_groups], **defaults)
         self._ready = True
+        # A joined rank would have to step its shards and join each step's all-gather.
+        reducer._join_refused = ("reducer.join() is not supported with a ShardedOptimizer (a rank "
+                                 "out of data cannot join its step's all-gather); give every "
+                                 "rank the same number of batches")
         for mine, local in zip(self.param_groups, self.optim.param_groups, strict=True):
             for k, v in local.items():  # the optimizer's own defaults (betas...) shown here too
                 mine.setdefault(k, v)

@@ -64,3 +64,20 @@ def test_profiler_records_every_new_collective_with_nccl_tests_sizes() -> None:
                            ("gather", 32), ("scatter", 32)]
     assert [op for op, _ in records[5:]] == ["all_gather", "all_gather"]  # sizes, then bytes
     assert {"reduce_scatter", "all_to_all", "reduce", "gather", "scatter"} <= set(ops)
+
+
+def test_all_gather_object_against_another_collective_is_a_clear_error() -> None:
+    """A rank whose all_gather_object meets another rank's all_gather (a caller bug, undefined
+    without debug mode) gets a RuntimeError naming that rank, not an internal error."""
+
+    def run(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 0:
+            out = torch.empty(2, dtype=torch.int64)
+            comm.all_gather(out, torch.tensor([-5]))
+            return None
+        with pytest.raises(RuntimeError, match="rank 0 sent no object size; ranks called "
+                                               "different collectives"):
+            comm.all_gather_object("x")
+        return "raised"
+
+    assert ThreadGroup(2).run(run) == [None, "raised"]
