@@ -10,7 +10,9 @@ torch's hooks hold nothing else.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BackwardEnd", "ForwardPreHook", "StrongRef", "PassRef", "before_accumulate",
            "current_autograd_node", "on_grad_ready", "queue_engine_callback",
-           "refuse_recorded_graphs", "remove_handles"]
+           "refuse_recorded_graphs", "register_hooks", "remove_handles"]
 
 STALE_GRAPH = ("GradientReducer: backward of a graph recorded before the reducer was built (its "
                "construction broadcast changed the parameters); build the reducer first, then "
@@ -187,3 +189,23 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
         bw.launch_ready()
     if bw.polled < bw.next:
         bw.poll()
+
+
+def register_hooks(reducer: GradientReducer, view: bool) -> list[RemovableHandle]:
+    """Register the reducer's hooks: :func:`on_grad_ready` on every parameter, and
+    :class:`ForwardPreHook` on its module (without one, in view mode, :func:`before_accumulate`
+    on every parameter); returns their handles."""
+    bw = reducer._backward
+    ref: PassRef = StrongRef(bw) if reducer._module is None else weakref.ref(bw)
+    handles = [p.register_post_accumulate_grad_hook(partial(on_grad_ready, ref, i))
+               for i, p in enumerate(reducer._params)]
+    if reducer._module is not None:
+        handles.append(reducer._module.register_forward_pre_hook(ForwardPreHook(reducer)))
+    elif view:
+        # Without a module there is no forward hook to notice a failed backward before the
+        # next one; in view mode autograd would then add the first new gradient into its view
+        # before the reducer's hook sends the failed pass's rest and zeroes the views (with
+        # zero_grad(set_to_none=False) the gradients are the views). A hook that runs before
+        # accumulation notices it first.
+        handles += [p.register_hook(partial(before_accumulate, ref)) for p in reducer._params]
+    return handles

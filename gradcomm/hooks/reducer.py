@@ -47,7 +47,6 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from functools import partial
 from typing import Any
 
 import torch
@@ -57,15 +56,7 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.communicator import Communicator
 from ..comm.errors import MESSAGE_LIMIT, brief
 from ..comm.hierarchical import HierarchicalAllReduce
-from ._autograd import (
-    ForwardPreHook,
-    PassRef,
-    StrongRef,
-    before_accumulate,
-    on_grad_ready,
-    refuse_recorded_graphs,
-    remove_handles,
-)
+from ._autograd import refuse_recorded_graphs, register_hooks, remove_handles
 from ._backward import BackwardPass, CommHookSlot
 from ._buckets import (
     Bucket,
@@ -331,25 +322,9 @@ class GradientReducer:
                  else default_hook_state(hook_fn, comm))
         self._comm_hook = CommHookSlot(hook_fn, state)
         self._backward = BackwardPass(comm, self._buckets, self._guard, self._comm_hook, opts)
-        self._handles = self._register_hooks(opts.gradient_as_bucket_view)
+        self._handles = register_hooks(self, opts.gradient_as_bucket_view)
         logger.debug("GradientReducer: %d params in %d buckets on %s", len(self._params),
                      len(self._buckets), comm)
-
-    def _register_hooks(self, view: bool) -> list[RemovableHandle]:
-        ref: PassRef = (StrongRef(self._backward) if self._module is None
-                        else weakref.ref(self._backward))
-        handles = [p.register_post_accumulate_grad_hook(partial(on_grad_ready, ref, i))
-                   for i, p in enumerate(self._params)]
-        if self._module is not None:
-            handles.append(self._module.register_forward_pre_hook(ForwardPreHook(self)))
-        elif view:
-            # Without a module there is no forward hook to notice a failed backward before the
-            # next one; in view mode autograd would then add the first new gradient into its view
-            # before the reducer's hook sends the failed pass's rest and zeroes the views (with
-            # zero_grad(set_to_none=False) the gradients are the views). A hook that runs before
-            # accumulation notices it first.
-            handles += [p.register_hook(partial(before_accumulate, ref)) for p in self._params]
-        return handles
 
     def _on_forward(self, module: nn.Module) -> None:
         if self._stale_graphs and torch.is_grad_enabled():
