@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from ._consistency import ConsistencyCheck
+from ._consistency import ConsistencyCheck, DebugLevel
 from ._group import GroupMember
 from ._stalls import StallGuard
 from ._validation import TensorChecks
@@ -73,8 +73,9 @@ class IssuePath(GroupMember):
                buf: torch.Tensor | None, label: str | None, async_op: bool) -> Work:
         """Check it across ranks (:attr:`debug`), start ``hook(*args, description)`` on ``buf``,
         profiled; copy back into ``target``."""
-        if self._consistency.wants(opname):
-            self._consistency.check(opname, description, buf)
+        consistency = self._consistency
+        if consistency.level is not DebugLevel.OFF and consistency.wants(opname):
+            consistency.check(opname, description, buf)
         profiler = self.profiler
         done = (None if profiler is None
                 else profiler.collective_started(opname, buf, label, async_op))

@@ -14,7 +14,7 @@ import torch
 
 from ._emulation import average_into
 from ._issue import IssuePath
-from ._tensors import overlap, plain
+from ._tensors import flat, overlap, plain
 from ._validation import (
     check_avg,
     check_call_args,
@@ -71,7 +71,7 @@ class RootedOps(IssuePath):
         buf = plain(tensor, "reduce")
         desc = Description("reduce", next(self._seq), buf.numel(), tail, op, f"dst={dst}",
                            root=dst)
-        return self._issue("reduce", self._start_reduce, (buf.view(-1), dst, op), desc, tensor,
+        return self._issue("reduce", self._start_reduce, (flat(buf), dst, op), desc, tensor,
                            buf, label, async_op)
 
     def _start_reduce(self, buf: torch.Tensor, dst: int, op: ReduceOp,
@@ -121,7 +121,7 @@ class RootedOps(IssuePath):
             src = src.clone()
         desc = Description("gather", next(self._seq), src.numel(), tail, f"dst={dst}", root=dst)
         return self._issue("gather", self._gather,
-                           (None if out is None else out.view(-1), src.view(-1), dst), desc,
+                           (None if out is None else flat(out), flat(src), dst), desc,
                            output if root else None, out, None, async_op)
 
     def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int = 0, *,
@@ -161,7 +161,7 @@ class RootedOps(IssuePath):
             inp = inp.clone()
         desc = Description("scatter", next(self._seq), out.numel(), tail, f"src={src}", root=src)
         return self._issue("scatter", self._scatter,
-                           (out.view(-1), None if inp is None else inp.view(-1), src), desc,
+                           (flat(out), None if inp is None else flat(inp), src), desc,
                            output, out, None, async_op)
 
     # ------------------------------------------------------------------ backend hooks

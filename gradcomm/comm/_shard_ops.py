@@ -16,7 +16,7 @@ import torch
 
 from ._emulation import average_into
 from ._issue import IssuePath
-from ._tensors import overlap, plain
+from ._tensors import flat, overlap, plain
 from ._validation import (
     check_avg,
     check_call_args,
@@ -77,7 +77,7 @@ class ShardOps(IssuePath):
             src = src.clone()
         desc = Description("reduce_scatter", next(self._seq), n, tail, op, label)
         return self._issue("reduce_scatter", self._start_reduce_scatter,
-                           (out.view(-1), src.view(-1), op), desc, output, out, label, async_op)
+                           (flat(out), flat(src), op), desc, output, out, label, async_op)
 
     def _start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
                               description: DescriptionLike) -> Work:
@@ -134,7 +134,7 @@ class ShardOps(IssuePath):
         desc = Description("all_to_all", next(self._seq), src.numel(), tail)
         counts = ([n * row for n in recv], [n * row for n in send])
         return self._issue("all_to_all", self._all_to_all,
-                           (out.view(-1), src.view(-1), *counts), desc, output, out, None,
+                           (flat(out), flat(src), *counts), desc, output, out, None,
                            async_op)
 
     def _all_gather_uneven(self, output: torch.Tensor, input: torch.Tensor,
@@ -172,7 +172,7 @@ class ShardOps(IssuePath):
         desc = Description("all_gather", next(self._seq), out.numel(), tail, "uneven",
                            splits=splits)
         return self._issue("all_gather", self._all_gather_v,
-                           (out.view(-1), src.view(-1), list(splits)), desc,
+                           (flat(out), flat(src), list(splits)), desc,
                            output, out, None, async_op)
 
     # ------------------------------------------------------------------ backend hooks

@@ -11,7 +11,16 @@ import torch
 
 from ._validation import check_writable
 
-__all__ = ["flat_bytes", "plain", "overlap"]
+__all__ = ["flat", "flat_bytes", "plain", "overlap"]
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor`` as 1-D (``(numel,)``, no copy): itself when already 1-D.
+
+    ``view(-1)`` makes a new tensor object, about a microsecond, which a collective on a small
+    or medium buffer pays on every call; a 1-D tensor needs none.
+    """
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,8 @@ from ._shard_ops import ShardOps
 from ._split import Splitting
 from ._stalls import StallGuard
 from ._support import collective_support
+from ._tensors import flat, overlap, plain
 from ._tensors import flat_bytes as flat_bytes  # re-exported: the backends' byte views
-from ._tensors import overlap, plain
 from ._validation import (
     TensorChecks,
     check_all_gather,
@@ -274,7 +274,7 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
             # writing output, and MPI rejects aliased buffers, so send a copy.
             src = src.clone()
         desc = Description("all_gather", next(self._seq), src.numel(), tail)
-        return self._issue("all_gather", self._all_gather, (out.view(-1), src.view(-1)), desc,
+        return self._issue("all_gather", self._all_gather, (flat(out), flat(src)), desc,
                            output, out, None, async_op)
 
     def barrier(self) -> None:

@@ -47,6 +47,10 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     PRODUCT = "product"
 
+    # Members compare by identity, so the identity hash is consistent with ==; Enum's own
+    # hashes the name in Python, which every collective pays in ``op in native_reduce_ops``.
+    __hash__ = object.__hash__
+
     @classmethod
     def coerce(cls, op: ReduceOp | str) -> ReduceOp:
         """Return ``op`` as a :class:`ReduceOp`; accepts the enum or its case-insensitive name.
@@ -55,6 +59,8 @@ class ReduceOp(enum.Enum):
             ValueError: ``op`` is a string that names no operation.
             TypeError: ``op`` is neither a :class:`ReduceOp` nor a string.
         """
+        if op.__class__ is cls:  # the common call: one comparison, not two nested calls
+            return op
         return _coerce(cls, op, "reduction op", "op must be a gradcomm.ReduceOp")
 
 

@@ -290,29 +290,15 @@ class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
         return work
 
     def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
-        comm = self._live_comm()
-        wire = flat_bytes(tensor)
-        buf, finish = self._prepare(wire)
-        work = self._work(comm.Ibcast([buf, MPI.BYTE], root=src), description,
-                          (tensor, wire.untyped_storage(), buf))
-        if finish is not None:
-            work.add_callback(finish)
-        return work
+        return self._post(lambda comm, b: comm.Ibcast([b[0], MPI.BYTE], root=src),
+                          description, (self._wire(tensor), True, True))
 
     def _all_gather(
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
     ) -> Work:
-        comm = self._live_comm()
-        send_wire, recv_wire = flat_bytes(input), flat_bytes(output)
-        send, finish_send = self._prepare(send_wire, write=False)
-        recv, finish_recv = self._prepare(recv_wire, read=False)
-        request = comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])
-        work = self._work(request, description, (input, output, send_wire.untyped_storage(),
-                                                 recv_wire.untyped_storage(), send, recv))
-        for finish in (finish_send, finish_recv):
-            if finish is not None:
-                work.add_callback(finish)
-        return work
+        return self._post(lambda comm, b: comm.Iallgather([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
+                          description, (self._wire(input), True, False),
+                          (self._wire(output), False, True))
 
     def _barrier(self, description: DescriptionLike) -> Work:
         return self._work(self._live_comm().Ibarrier(), description, ())
@@ -365,6 +351,13 @@ class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
             if dtype in SUM_FAST:
                 self._sum_datatypes[dtype] = found
         return found
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a byte transfer (``MPI.BYTE``) of the contiguous ``tensor`` hands to
+        :meth:`_prepare`: on the host the tensor itself (its view spans its ``nbytes`` whatever
+        the dtype, and a uint8 view would cost a new tensor per call); with a device adapter its
+        uint8 view (:func:`flat_bytes`), which the adapter stages element by element."""
+        return tensor if self._adapter is None else flat_bytes(tensor)
 
     def _prepare(
         self, wire: torch.Tensor, *, read: bool = True, write: bool = True

@@ -11,7 +11,6 @@ import torch
 from mpi4py import MPI
 
 from ..._split import SplitPlan
-from ..._tensors import flat_bytes
 from ...communicator import Communicator
 from ...launcher import Launcher, LaunchInfo
 from ...work import DescriptionLike, Work
@@ -35,23 +34,24 @@ class MPIGroupOps:
         _cuda_reason: str
 
         def _live_comm(self) -> MPIModule.Intracomm: ...
+        def _wire(self, tensor: torch.Tensor) -> torch.Tensor: ...
         def _prepare(self, wire: torch.Tensor, *, read: bool = True,
                      write: bool = True) -> tuple[object, Callable[[], None] | None]: ...
         def _attach(self, launch: LaunchInfo, comm: MPIModule.Comm) -> None: ...
 
     # ------------------------------------------------------------------ point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
-        wire = flat_bytes(tensor)
+        wire = self._wire(tensor)
         buf, _ = self._prepare(wire, write=False)  # staged in (device), nothing to copy back
         return MPIWork(self._live_comm().Isend([buf, MPI.BYTE], dst, tag), description,
                        self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight)
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
-        wire = flat_bytes(tensor)
+        wire = self._wire(tensor)
         buf, finish = self._prepare(wire, read=False)
         work = MPIWork(self._live_comm().Irecv([buf, MPI.BYTE], src, tag), description,
                        self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight,
-                       expect_bytes=wire.numel())
+                       expect_bytes=wire.nbytes)
         if finish is not None:
             work.add_callback(finish)
         return work

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 from mpi4py import MPI
 
-from ..._tensors import flat_bytes
 from ...types import Collective, ReduceOp, Support, SupportLevel
 from ...work import DescriptionLike, Work
 from .dtypes import HALF, mpi_op
@@ -36,6 +35,7 @@ class MPIShardOps:
 
         def _live_comm(self) -> MPIModule.Intracomm: ...
         def _datatype(self, dtype: torch.dtype) -> MPI.Datatype: ...
+        def _wire(self, tensor: torch.Tensor) -> torch.Tensor: ...
         def _prepare(self, wire: torch.Tensor, *, read: bool = True,
                      write: bool = True) -> tuple[object, Callable[[], None] | None]: ...
         def _work(self, request: MPI.Request, description: DescriptionLike,
@@ -55,11 +55,13 @@ class MPIShardOps:
         """Post ``start(comm, buffers)`` on the buffers of ``wires`` ((tensor, read, write)
         each); the work keeps the tensors alive and runs their staging steps on completion."""
         comm = self._live_comm()
-        bufs, keep, finishes = [], [], []
+        bufs: list[object] = []
+        keep: list[object] = []
+        finishes = []
         for wire, read, write in wires:
             buf, finish = self._prepare(wire, read=read, write=write)
             bufs.append(buf)
-            keep += [wire, wire.untyped_storage(), buf]
+            keep += (wire, wire.untyped_storage(), buf)
             if finish is not None:
                 finishes.append(finish)
         request = start(comm, bufs)
@@ -91,12 +93,12 @@ class MPIShardOps:
         if len(set(send)) == 1 and send == recv:  # even splits: MPICH's Ialltoall is faster
             return self._post(
                 lambda comm, b: comm.Ialltoall([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
-                description, (flat_bytes(input), True, False), (flat_bytes(output), False, True))
+                description, (self._wire(input), True, False), (self._wire(output), False, True))
         sdisp, rdisp = _displacements(send), _displacements(recv)
         return self._post(
             lambda comm, b: comm.Ialltoallv([b[0], (send, sdisp), MPI.BYTE],
                                             [b[1], (recv, rdisp), MPI.BYTE]),
-            description, (flat_bytes(input), True, False), (flat_bytes(output), False, True))
+            description, (self._wire(input), True, False), (self._wire(output), False, True))
 
     def _all_gather_v(self, output: torch.Tensor, input: torch.Tensor, counts: list[int],
                       description: DescriptionLike) -> Work:
@@ -105,7 +107,7 @@ class MPIShardOps:
         disp = _displacements(recv)
         return self._post(
             lambda comm, b: comm.Iallgatherv([b[0], MPI.BYTE], [b[1], (recv, disp), MPI.BYTE]),
-            description, (flat_bytes(input), True, False), (flat_bytes(output), False, True))
+            description, (self._wire(input), True, False), (self._wire(output), False, True))
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
                 description: DescriptionLike) -> Work:
@@ -126,19 +128,19 @@ class MPIShardOps:
                 description: DescriptionLike) -> Work:
         if output is None:
             return self._post(lambda comm, b: comm.Igather([b[0], MPI.BYTE], None, root=dst),
-                              description, (flat_bytes(input), True, False))
+                              description, (self._wire(input), True, False))
         return self._post(
             lambda comm, b: comm.Igather([b[0], MPI.BYTE], [b[1], MPI.BYTE], root=dst),
-            description, (flat_bytes(input), True, False), (flat_bytes(output), False, True))
+            description, (self._wire(input), True, False), (self._wire(output), False, True))
 
     def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
                  description: DescriptionLike) -> Work:
         if input is None:
             return self._post(lambda comm, b: comm.Iscatter(None, [b[0], MPI.BYTE], root=src),
-                              description, (flat_bytes(output), False, True))
+                              description, (self._wire(output), False, True))
         return self._post(
             lambda comm, b: comm.Iscatter([b[1], MPI.BYTE], [b[0], MPI.BYTE], root=src),
-            description, (flat_bytes(output), False, True), (flat_bytes(input), True, False))
+            description, (self._wire(output), False, True), (self._wire(input), True, False))
 
 
 def _displacements(counts: list[int]) -> list[int]:
