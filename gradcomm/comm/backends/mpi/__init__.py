@@ -8,6 +8,12 @@ One concept per module: :mod:`.communicator` (the :class:`MPICommunicator`), :mo
 
 from __future__ import annotations
 
+from ..._mpi_defaults import apply_mpich_defaults
+
+# Before MPI starts (importing mpi4py.MPI starts it): MPICH reads its variables in MPI_Init, so
+# the imports below come after this call.
+apply_mpich_defaults()
+
 try:
     from mpi4py import MPI  # noqa: F401 - imported first, for this error message
     from mpi4py.util import dtlib  # noqa: F401
@@ -16,9 +22,13 @@ except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
         "the mpi backend needs the mpi4py package and an MPI library: pip install mpi4py mpich"
     ) from _exc
 
-from ..._mpi_abort import ABORT_ENV_VAR, abort_on_error_enabled, install_abort_hook
-from .communicator import MPICommunicator
-from .work import MPIWork
+from ..._mpi_abort import (  # noqa: E402
+    ABORT_ENV_VAR,
+    abort_on_error_enabled,
+    install_abort_hook,
+)
+from .communicator import MPICommunicator  # noqa: E402
+from .work import MPIWork  # noqa: E402
 
 __all__ = [
     "MPICommunicator",

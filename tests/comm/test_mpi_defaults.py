@@ -1,0 +1,38 @@
+"""gradcomm's defaults for MPICH variables: set only when unset, and only before MPI starts."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from gradcomm.comm._mpi_defaults import MPICH_DEFAULTS, apply_mpich_defaults
+
+NAME = "MPIR_CVAR_IREDUCE_SCATTER_BLOCK_INTRA_ALGORITHM"
+
+
+@pytest.fixture
+def mpi_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+
+
+def test_unset_variables_get_the_defaults(mpi_not_started: None) -> None:
+    env = {"PATH": "/bin"}
+    assert apply_mpich_defaults(env) == MPICH_DEFAULTS
+    assert env[NAME] == "sched_pairwise"
+    assert env["PATH"] == "/bin"
+
+
+@pytest.mark.parametrize("value", ["auto", "", "tsp_recexch"])
+def test_a_value_the_user_set_is_kept(mpi_not_started: None, value: str) -> None:
+    env = {NAME: value}
+    assert NAME not in apply_mpich_defaults(env)
+    assert env[NAME] == value
+
+
+def test_nothing_is_set_once_mpi_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", types.ModuleType("mpi4py.MPI"))
+    env: dict[str, str] = {}
+    assert apply_mpich_defaults(env) == {}
+    assert env == {}
