@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .collectives import SWEPT, run_collective_sweep
     from .metrics import dtype_name, parse_dtype, size_sweep
     from .results import SweepResult, format_table, mpi_versions, write_csv, write_json
-    from .sweep import make_raw_transport, raw_transport_unavailable, run_sweep
+    from .sweep import make_raw_transport, mpich_settings, raw_transport_unavailable, run_sweep
 
     try:  # bad names are usage errors, reported alike on every rank before any rendezvous
         dtype = parse_dtype(args.dtype)
@@ -256,6 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             result.meta.setdefault("devices", {})[comm.backend] = str(comm.device)
             if not args.no_raw and raw is None:
                 say(f"# no raw column: {raw_transport_unavailable(comm)}")
+            if raw is not None:
+                say(f"# raw column: {raw.description}")
+            if comm.backend == "mpi":
+                tuned = mpich_settings()
+                result.meta["mpich_settings"] = tuned
+                if tuned:
+                    say("# MPICH settings: " + ", ".join(f"{k}={v}" for k, v in tuned.items()))
             if raw is not None and not raw.supports(dtype, op):
                 say(f"# {raw.name} cannot reduce {dtype_name(dtype)} with {args.op}: "
                     "no raw column")

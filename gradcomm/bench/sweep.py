@@ -43,6 +43,7 @@ __all__ = [
     "TorchDistRaw",
     "MPIRaw",
     "make_raw_transport",
+    "mpich_settings",
     "raw_transport_unavailable",
     "run_sweep",
     "measure",
@@ -62,6 +63,8 @@ class RawTransport:
 
     #: What the raw column measured, e.g. ``"torch.distributed (gloo)"``.
     name = "raw"
+    #: The calls the raw column times and how gradcomm's differ, one sentence for the output.
+    description = "the transport's own calls"
 
     def supports(self, dtype: torch.dtype, op: ReduceOp) -> bool:
         """True when the transport reduces ``dtype`` with ``op`` natively."""
@@ -108,6 +111,10 @@ class TorchDistRaw(RawTransport):
     def __init__(self, backend: str, comm: Communicator, timeout: float = 300.0) -> None:
         self._dist = dist
         self.name = f"torch.distributed ({backend})"
+        self.description = (
+            f"torch.distributed's blocking calls (all_reduce, reduce_scatter_tensor, ...) on a "
+            f"{backend} process group of its own; gradcomm runs the same {backend} operations "
+            "behind its checks and Work")
         self._owns_default = not dist.is_initialized()
         if not self._owns_default:
             self._group: dist.ProcessGroup | None = dist.new_group(backend=backend)
@@ -162,6 +169,10 @@ class MPIRaw(RawTransport):
     """
 
     name = "mpi4py"
+    description = (
+        "mpi4py's blocking calls (Allreduce, Reduce_scatter_block, Allgather, ...) on a Dup() of "
+        "COMM_WORLD; gradcomm posts the non-blocking forms (Iallreduce, ...) and polls them "
+        "under its timeout, and MPICH may pick other algorithms for those")
     _DTYPES: ClassVar[frozenset[torch.dtype]] = _NATIVE_DTYPES
 
     def __init__(self) -> None:
@@ -254,6 +265,21 @@ def raw_transport_unavailable(comm: Communicator) -> str | None:
         return (f"MPI is not CUDA-aware here, so mpi4py cannot take {comm.device} buffers "
                 "(gradcomm stages them through host memory)")
     return f"no raw transport is measured for the {backend} backend"
+
+
+def mpich_settings() -> dict[str, str]:
+    """The MPICH variables gradcomm gives defaults (:mod:`gradcomm.comm._mpi_defaults`), as
+    this process has them: ``{name: value}``, the value followed by ``" (gradcomm's default)"``
+    where gradcomm set it; unset variables are left out."""
+    from ..comm._mpi_defaults import MPICH_DEFAULTS, applied_defaults
+
+    ours = applied_defaults()
+    out = {}
+    for name in MPICH_DEFAULTS:
+        value = os.environ.get(name)
+        if value is not None:
+            out[name] = value + (" (gradcomm's default)" if ours.get(name) == value else "")
+    return out
 
 
 def make_raw_transport(comm: Communicator, timeout: float = 300.0) -> RawTransport | None:

@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-__all__ = ["MPICH_DEFAULTS", "apply_mpich_defaults"]
+__all__ = ["MPICH_DEFAULTS", "apply_mpich_defaults", "applied_defaults"]
 
 #: Variable -> value set when the variable is unset (see the module docstring).
 MPICH_DEFAULTS: dict[str, str] = {
@@ -40,7 +40,18 @@ def apply_mpich_defaults(env: MutableMapping[str, str] | None = None) -> dict[st
     """
     if "mpi4py.MPI" in sys.modules:
         return {}
+    process = env is None
     env = os.environ if env is None else env
     applied = {name: value for name, value in MPICH_DEFAULTS.items() if name not in env}
     env.update(applied)
+    if process:
+        _applied.update(applied)
     return applied
+
+
+def applied_defaults() -> dict[str, str]:
+    """The variables :func:`apply_mpich_defaults` set in ``os.environ`` in this process."""
+    return dict(_applied)
+
+
+_applied: dict[str, str] = {}

@@ -36,3 +36,18 @@ def test_nothing_is_set_once_mpi_started(monkeypatch: pytest.MonkeyPatch) -> Non
     env: dict[str, str] = {}
     assert apply_mpich_defaults(env) == {}
     assert env == {}
+
+
+def test_the_process_record_names_what_gradcomm_set(mpi_not_started: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradcomm.bench.sweep import mpich_settings
+    from gradcomm.comm import _mpi_defaults
+
+    monkeypatch.setattr(_mpi_defaults, "_applied", {})
+    monkeypatch.setenv(NAME, "")  # records the variable's state, restored after the test
+    monkeypatch.delenv(NAME)
+    apply_mpich_defaults()
+    assert _mpi_defaults.applied_defaults() == MPICH_DEFAULTS
+    assert mpich_settings()[NAME] == "sched_pairwise (gradcomm's default)"
+    monkeypatch.setenv(NAME, "auto")
+    assert mpich_settings()[NAME] == "auto"
