@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from ...types import Collective, ReduceOp, Support, SupportLevel
 from ...work import DescriptionLike, Work
-from .dtypes import HALF, mpi_op
+from .dtypes import HALF, MPI_BUFFER, mpi_op
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpi4py import MPI as MPIModule
@@ -32,6 +32,7 @@ class MPIShardOps:
         world_size: int
         _rank: int
         _timeout: float | None
+        _adapter: object
 
         def _live_comm(self) -> MPIModule.Intracomm: ...
         def _datatype(self, dtype: torch.dtype) -> MPI.Datatype: ...
@@ -55,18 +56,25 @@ class MPIShardOps:
         """Post ``start(comm, buffers)`` on the buffers of ``wires`` ((tensor, read, write)
         each); the work keeps the tensors alive and runs their staging steps on completion."""
         comm = self._live_comm()
-        bufs: list[object] = []
-        keep: list[object] = []
+        if self._adapter is None:  # host memory: zero-copy views, nothing staged or copied back
+            bufs = [MPI_BUFFER.fromaddress(w.data_ptr(), w.nbytes) for w, _, _ in wires]
+            request = start(comm, bufs)
+            request.Test()  # a peer already waiting gets this rank's data now
+            keep = tuple(w for w, _, _ in wires) + tuple(
+                w.untyped_storage() for w, _, _ in wires) + tuple(bufs)
+            return self._work(request, description, keep)
+        bufs = []
+        kept: list[object] = []
         finishes = []
         for wire, read, write in wires:
             buf, finish = self._prepare(wire, read=read, write=write)
             bufs.append(buf)
-            keep += (wire, wire.untyped_storage(), buf)
+            kept += (wire, wire.untyped_storage(), buf)
             if finish is not None:
                 finishes.append(finish)
         request = start(comm, bufs)
-        request.Test()  # a peer already waiting gets this rank's data now
-        work = self._work(request, description, tuple(keep))
+        request.Test()
+        work = self._work(request, description, tuple(kept))
         for finish in finishes:
             work.add_callback(finish)
         return work
