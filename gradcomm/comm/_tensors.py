@@ -30,10 +30,10 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     whatever its stride (``torch.zeros(2)[::2]`` has stride 2), which ``Tensor.view(torch.uint8)``
     rejects, so it is viewed with stride 1 first (the same single element).
     """
-    flat = tensor.reshape(-1)
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)  # each new tensor costs ~1 us
     if flat.numel() == 1 and flat.stride(0) != 1:
         flat = flat.as_strided((1,), (1,))
-    return flat.view(torch.uint8)
+    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
 
 
 def plain(tensor: torch.Tensor, written_by: str | None = None) -> torch.Tensor:
