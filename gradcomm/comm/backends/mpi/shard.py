@@ -57,12 +57,12 @@ class MPIShardOps:
         each); the work keeps the tensors alive and runs their staging steps on completion."""
         comm = self._live_comm()
         if self._adapter is None:  # host memory: zero-copy views, nothing staged or copied back
-            bufs = [MPI_BUFFER.fromaddress(w.data_ptr(), w.nbytes) for w, _, _ in wires]
+            tensors = [w for w, _, _ in wires]
+            bufs = [MPI_BUFFER.fromaddress(t.data_ptr(), t.nbytes) for t in tensors]
             request = start(comm, bufs)
             request.Test()  # a peer already waiting gets this rank's data now
-            keep = tuple(w for w, _, _ in wires) + tuple(
-                w.untyped_storage() for w, _, _ in wires) + tuple(bufs)
-            return self._work(request, description, keep)
+            storages = [t.untyped_storage() for t in tensors]
+            return self._work(request, description, (*tensors, *storages, *bufs))
         bufs = []
         kept: list[object] = []
         finishes = []
