@@ -245,10 +245,13 @@ def test_reducer_marks_one_profiler_step_per_backward() -> None:
         assert isinstance(records, list)
         steps = [step for step, _ in records]
         per_step = len(records) // 2
-        assert per_step >= 3  # the tiny cap gives one bucket per parameter, then the control
+        assert per_step >= 3  # the tiny cap gives one bucket per parameter
         assert steps == [0] * per_step + [1] * per_step
         for step in (0, 1):
             labels = [label for s, label in records if s == step]
-            # Every bucket, then the reducer's one control all-reduce (presence flags, failures).
-            assert all(label is not None and label.startswith("bucket") for label in labels[:-1])
-            assert labels[-1] == CONTROL_LABEL
+            # Every bucket; the last one carries the reducer's control values (presence flags,
+            # failures): no control all-reduce of its own.
+            assert all(label is not None and label.startswith("bucket") for label in labels)
+            assert all("control" not in label for label in labels[:-1])
+            assert labels[-1].endswith("with the control values")
+            assert CONTROL_LABEL not in labels

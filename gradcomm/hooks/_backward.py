@@ -9,7 +9,8 @@ from the hooks (MPI progresses only inside MPI calls). At the end of backward :m
 launches the rest (no gradient on this rank counts as zeros), waits for every bucket in order and
 writes the averages back. Besides the buckets, every pass sends one small control tensor (see
 :mod:`._control`: presence flags, the failure signal and each rank's step state, checked by
-:mod:`._steps`), after the last bucket. A pass that
+:mod:`._steps`), after the last bucket or within its all-reduce (:meth:`BackwardPass.send`). A
+pass that
 raised is noticed at the next forward, backward or ``synchronize()``, and :meth:`abort` sends its
 remaining buckets and the control tensor marked as failed, so that the other ranks' backward of
 that step raises too instead of pairing collectives of different steps.
@@ -31,19 +32,23 @@ from torch.utils.hooks import RemovableHandle
 
 from ..comm.communicator import Communicator
 from ..comm.errors import CollectiveTimeoutError, brief
+from ..comm.types import ReduceOp
 from ..comm.work import Work
 from ._autograd import BackwardEnd, current_autograd_node, queue_engine_callback
-from ._buckets import Bucket, overlapping_grads
+from ._buckets import Bucket, SharedBucket, overlapping_grads
 from ._control import CONTROL_LABEL, ControlTensor
 from ._guard import ModelGuard
 from ._options import ReducerOptions, qualified_name
 from ._steps import StepState, active_ranks, step_mismatch
 from ._sync import broadcast_tensors, check_fingerprint
-from .comm_hooks import CommHookFn, GradBucket
+from .comm_hooks import CommHookFn, GradBucket, allreduce_hook
 
 __all__ = ["BackwardPass", "CommHookSlot", "write_back"]
 
 logger = logging.getLogger("gradcomm.hooks")
+
+# Bucket dtypes that can carry the control values (small counts, exact in either).
+_CARRIER_DTYPES = (torch.float32, torch.float64)
 
 def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: ControlTensor,
                overlapping: frozenset[int], divide_by_initial_world_size: bool,
@@ -145,6 +150,15 @@ class BackwardPass:
             b.flags = flags
             self._spans.append((offset, offset + len(b.params)))
             offset += len(b.params)
+        # The last bucket carries the control values in its all-reduce when it can (see send).
+        last = buckets[-1] if buckets else None
+        self._carrier: SharedBucket | None = None
+        self._carrier_label = ""
+        if (isinstance(last, SharedBucket) and last.dtype in _CARRIER_DTYPES
+                and last.device == comm.device):
+            last.set_tail(self.control.tensor.numel())
+            self._carrier = last
+            self._carrier_label = f"{last.grad_bucket.label()} with the control values"
         self.overlapping: frozenset[int] = frozenset()
         self.steps = StepState(options.step_check)
         # Ranks that contributed to the last reduced backward (all but the joined ones, see
@@ -282,7 +296,27 @@ class BackwardPass:
                 if not ready[pid] and eager[slot]:
                     b.stage(slot)
         b.stage_batched()  # the small gradients, ready or not
-        self.hook.send(b, b.prepare(self.overlapping))
+        self.send(b, b.prepare(self.overlapping))
+
+    def send(self, b: Bucket, grad_bucket: GradBucket) -> None:
+        """Send bucket ``b`` (its buffer ``grad_bucket``) through the comm hook.
+
+        The last bucket also carries the control tensor, whose values must be final by then
+        (step set, failure marked), when the hook is the default all-reduce on the reducer's
+        communicator and nothing pads the buffer (a reduce-scatter of stage 2 has its own hook):
+        one all-reduce of the gradients followed by the control values instead of two (DDP
+        sends none but the buckets'). Otherwise the control tensor goes alone (:meth:`finish`).
+        """
+        carrier = self._carrier
+        if (b is not carrier or self.hook.fn is not allreduce_hook
+                or self.hook.state is not self.comm or carrier.wire is None
+                or self.sink is not None):
+            self.hook.send(b, grad_bucket)
+            return
+        wire, label = carrier.wire, self._carrier_label
+        carrier.grad_bucket = grad_bucket
+        carrier.work = self.control.send_in(carrier.tail, lambda: self.comm.all_reduce(
+            wire, ReduceOp.SUM, async_op=True, label=label))
 
     def _stage_ready(self, b: Bucket) -> None:
         """Stage, one by one, the gradients of ``b`` that arrived but wait for the send."""
@@ -301,12 +335,12 @@ class BackwardPass:
         try:
             if self.in_place or not self.view:  # view mode repoints every grad to its view
                 self.overlapping = overlapping_grads(self.params)
+            control = self.control
+            control.set_step(self.steps.value())  # before the last bucket, which may carry it
             while self.next < len(self.buckets):
                 self.launch(self.buckets[self.next])
                 self.next += 1
-            control = self.control
-            control.set_step(self.steps.value())
-            control.send()
+            control.send()  # unless the last bucket carried it
             for b in self.buckets:
                 assert b.work is not None  # every bucket was launched above
                 self._wait(b.work, b.label())
@@ -368,14 +402,15 @@ class BackwardPass:
         back."""
         try:
             with torch.no_grad():
+                # Marked before the last bucket, which may carry the control values.
+                if self.control.mark_failed():  # unless already sent (then it is too late)
+                    self.control.set_step(self.steps.value())
                 while self.next < len(self.buckets):
                     b = self.buckets[self.next]
                     if self.view:  # leave each .grad as every hook staging it would have
                         self._stage_ready(b)
-                    self.hook.send(b, b.failed())
+                    self.send(b, b.failed())
                     self.next += 1
-                if self.control.mark_failed():  # unless already sent (then it is too late)
-                    self.control.set_step(self.steps.value())
                 self.control.send()
         except Exception as exc:  # noqa: BLE001 - already failing; wait for what went out
             logger.warning("GradientReducer: sending the rest of a failed backward pass failed: "

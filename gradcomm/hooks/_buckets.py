@@ -206,6 +206,7 @@ class SharedBucket(_BucketBase):
                  last: bool, view: bool) -> None:
         super().__init__(index, params, factors, last)
         self.view = view
+        self.tail_numel = 0  # see set_tail
         self.pad_to(self.numel)
         self.present = [False] * len(self.params)  # this rank has a gradient (this backward)
         self.slot_state = [_EMPTY] * len(self.params)  # gradient_as_bucket_view only
@@ -214,8 +215,13 @@ class SharedBucket(_BucketBase):
         """(Re)allocate the buffer as ``total >= numel`` zeros: ``data`` is all of it, ``flat`` its
         first ``numel`` elements (a reduce-scatter needs a multiple of world_size). Only before
         the first backward pass: the views are made anew."""
-        self.data = torch.zeros(total, dtype=self.dtype, device=self.device)
+        storage = torch.zeros(total + self.tail_numel, dtype=self.dtype, device=self.device)
+        self.data = storage[:total]
         self.flat = self.data[: self.numel]
+        # The flat gradients followed by the tail, for a send that carries both (see set_tail);
+        # only where nothing pads the buffer between them.
+        self.tail = storage[total:]
+        self.wire = storage[: self.numel + self.tail_numel] if total == self.numel else None
         self.views = []
         offset = 0
         for p in self.params:
@@ -234,6 +240,13 @@ class SharedBucket(_BucketBase):
         self._batched_views = [self.views[s] for s in self._batched_slots]
         self._batched_regions = self._regions(self._batched_slots)
         self._batched_present = False  # every batched slot has a gradient (this backward)
+
+    def set_tail(self, count: int) -> None:
+        """Allocate ``count`` elements right after the flat gradients (``tail``; ``wire`` is both,
+        one contiguous tensor), so that one all-reduce can carry the reducer's control values
+        with this bucket. Only before the first backward pass (the buffer is made anew)."""
+        self.tail_numel = count
+        self.pad_to(self.data.numel())
 
     def _regions(self, slots: list[int]) -> list[torch.Tensor]:
         """The flat buffer's runs of consecutive ``slots``, one 1-D view each."""

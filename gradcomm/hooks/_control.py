@@ -1,8 +1,10 @@
 """The reducer's control tensor: what ranks must agree on besides the gradients, in one collective.
 
 Comm hooks see only gradients (``GradBucket.buffer()`` is exactly a bucket's flat gradients), so the
-reducer's own state travels in a small tensor of its own, summed by one all-reduce per synchronised
-backward pass, posted after the last bucket:
+reducer's own state travels in a small tensor of its own, summed once per synchronised backward
+pass after the last bucket: by an all-reduce of its own, or -- with the default ``"allreduce"``
+hook and a float32 or float64 last bucket -- as extra elements of the last bucket's all-reduce
+(:meth:`ControlTensor.send_in`), so that a step sends no more collectives than DDP's reducer:
 
 * one presence flag per reduced parameter, in bucket order (1 where this rank has a gradient for
   it): a parameter whose flags sum to 0 had no gradient on any rank and keeps ``grad=None``;
@@ -19,6 +21,8 @@ float32, which every transport reduces natively and which counts ranks and forwa
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -57,6 +61,7 @@ class ControlTensor:
             offset += c
         self.work: Work | None = None
         self._summed: list[float] | None = None
+        self._source = self.tensor  # where the sum lands (see send_in)
 
     def mark_failed(self) -> bool:
         """Set this rank's failure signal; False when the tensor was already sent (too late)."""
@@ -75,10 +80,23 @@ class ControlTensor:
             self.work = self.comm.all_reduce(self.tensor, ReduceOp.SUM, async_op=True,
                                              label=CONTROL_LABEL)
 
+    def send_in(self, tail: torch.Tensor, start: Callable[[], Work]) -> Work:
+        """Post the sum as part of a bucket's all-reduce instead of one of its own.
+
+        Copies the values into ``tail`` (as many elements as :attr:`tensor`, float32 or float64,
+        which count exactly up to 2**24; right after the bucket's gradients), calls ``start`` to
+        post the all-reduce (SUM) of both, and reads the sum back from ``tail``. Once per
+        backward pass, instead of :meth:`send`; returns the Work, which becomes :attr:`work`.
+        """
+        tail.copy_(self.tensor)
+        self.work = start()
+        self._source = tail
+        return self.work
+
     def summed(self) -> list[float]:
         """The summed tensor as floats (one device-to-host copy), after :attr:`work` completed."""
         if self._summed is None:
-            self._summed = self.tensor.tolist()
+            self._summed = self._source.tolist()
         return self._summed
 
     def failed_elsewhere(self) -> bool:
@@ -95,3 +113,4 @@ class ControlTensor:
         self.tensor[self._failed_slot :] = 0.0
         self.work = None
         self._summed = None
+        self._source = self.tensor
