@@ -17,13 +17,15 @@ import torch
 from torch import nn
 
 from ..comm.errors import brief
+from ._buckets import dense_only
 
 if TYPE_CHECKING:
     from ._backward import BackwardPass
     from .reducer import GradientReducer
 
 __all__ = ["BackwardEnd", "ForwardPreHook", "StrongRef", "PassRef", "before_accumulate",
-           "current_autograd_node", "on_grad_ready", "queue_engine_callback"]
+           "current_autograd_node", "on_grad_ready", "on_late_grad_ready",
+           "queue_engine_callback"]
 
 
 def queue_engine_callback(fn: Any) -> None:
@@ -126,8 +128,7 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
         return
     grad = param.grad
     if grad is not None and grad.layout is not torch.strided:
-        raise TypeError(f"parameter {bw.names[pid]} has a {grad.layout} gradient; "
-                        "gradcomm reduces dense gradients only (use sparse=False)")
+        raise dense_only(bw.names[pid], grad.layout)
     # Runs once per parameter per backward: the checks of discard_if_stale and poll are
     # inlined so that the common case calls nothing.
     if bw.epoch_active and bw.token() is None:
@@ -155,3 +156,21 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
         bw.launch_ready()
     if bw.polled < bw.next:
         bw.poll()
+
+
+def on_late_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a small gradient in a bucket that only the end of backward
+    sends (see ``BackwardPass.late``): once the pass has begun, only mark it ready -- that
+    bucket's send stages it (checking that it is dense), and no hook launches it, so nothing
+    counts its gradients. Otherwise (the pass's first gradient, or the first after a failed
+    pass) as :func:`on_grad_ready`. The same checks, in fewer steps: one per parameter."""
+    bw = ref()
+    if bw is None or not bw.require_sync or bw.removed:
+        return
+    if not bw.epoch_active or bw.token() is None:
+        on_grad_ready(ref, pid, param)
+        return
+    bw.ready[pid] = True
+    if bw.polled < bw.next:
+        bw.poll()
+

@@ -270,6 +270,15 @@ class BackwardPass:
             self.abort()
             raise
 
+    def late(self, pid: int) -> bool:
+        """Whether parameter ``pid``'s gradient is small (staged by its bucket's send) and its
+        bucket is sent only by :meth:`finish`: its hook need not count it
+        (see ``_autograd.on_late_grad_ready``)."""
+        bidx, slot = self.loc[pid]
+        b = self.buckets[bidx]
+        return (not b.in_place and not b.eager[slot]
+                and (not self.overlap or bidx >= self.hook_launch_limit))
+
     def poll(self) -> None:
         """Drive progress of in-flight collectives (MPI progresses only inside MPI calls)."""
         while self.polled < self.next:
@@ -291,9 +300,9 @@ class BackwardPass:
     def launch(self, b: Bucket) -> None:
         """Stage what is missing (no gradient on this rank: zeros) and send bucket ``b``."""
         if b.pending:  # flushed at the end of backward: large gradients not staged by a hook
-            ready, eager = self.ready, b.eager
-            for slot, pid in enumerate(b.param_ids):
-                if not ready[pid] and eager[slot]:
+            ready, ids = self.ready, b.param_ids
+            for slot in b.eager_slots:
+                if not ready[ids[slot]]:
                     b.stage(slot)
         b.stage_batched()  # the small gradients, ready or not
         self.send(b, b.prepare(self.overlapping))

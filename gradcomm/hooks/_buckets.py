@@ -24,11 +24,12 @@ from itertools import repeat
 import torch
 from torch import nn
 
+from ..comm.errors import brief
 from ..comm.work import Work
 from .comm_hooks import GradBucket
 
 __all__ = ["BucketInfo", "SharedBucket", "InPlaceBucket", "Bucket", "assign_buckets",
-           "bucket_strides", "dense_strides", "overlapping_grads"]
+           "bucket_strides", "dense_only", "dense_strides", "overlapping_grads"]
 
 #: ``(registration index, name, parameter)`` of one trainable parameter.
 Entry = tuple[int, str, nn.Parameter]
@@ -69,6 +70,12 @@ class BucketInfo:
     nbytes: int
     param_names: tuple[str, ...]
     in_place: bool = False
+
+
+def dense_only(name: str, layout: torch.layout) -> TypeError:
+    """The error for parameter ``name``'s gradient of ``layout`` (sparse), which no bucket holds."""
+    return TypeError(f"parameter {brief(name, 60)} has a {layout} gradient; gradcomm reduces "
+                     "dense gradients only (use sparse=False)")
 
 
 def dense_strides(p: torch.Tensor) -> tuple[int, ...]:
@@ -135,7 +142,11 @@ def overlapping_grads(params: list[nn.Parameter]) -> frozenset[int]:
     for p in params:
         g = p.grad
         if g is not None and g.numel():
-            views = by_storage.setdefault(g.untyped_storage().data_ptr(), [])
+            try:
+                ptr = g.untyped_storage().data_ptr()
+            except NotImplementedError:  # sparse: its bucket's send refuses it, naming it
+                continue
+            views = by_storage.setdefault(ptr, [])
             views.append(g)
             shared = shared or len(views) > 1
     if not shared:
@@ -182,6 +193,7 @@ class _BucketBase:
         self.work: Work | None = None
         self.grad_bucket: GradBucket | None = None
         self.eager = [False] * len(self.params)  # slots a gradient hook stages (see stage)
+        self.eager_slots: list[int] = []  # their indices
 
     def info(self) -> BucketInfo:
         return BucketInfo(self.index, self.device, self.dtype, self.numel,
@@ -234,7 +246,7 @@ class SharedBucket(_BucketBase):
         # (Complex ones one by one too: autograd may make a lazy conjugate .grad, which foreach
         # copies refuse as a destination.)
         self.eager = [p.numel() >= BATCH_MAX_NUMEL or self.dtype.is_complex for p in self.params]
-        self._eager_slots = [s for s, e in enumerate(self.eager) if e]
+        self.eager_slots = [s for s, e in enumerate(self.eager) if e]
         self._batched_slots = [s for s, e in enumerate(self.eager) if not e]
         self._batched_params = [self.params[s] for s in self._batched_slots]
         self._batched_views = [self.views[s] for s in self._batched_slots]
@@ -282,6 +294,18 @@ class SharedBucket(_BucketBase):
         if torch.is_grad_enabled():  # backward(create_graph=True); otherwise autograd turned it off
             with torch.no_grad():
                 return self.stage_batched()
+        try:
+            self._stage_batched()
+        except RuntimeError:
+            # No hook checked these gradients' layout (see _autograd.on_late_grad_ready); a
+            # sparse one is refused by the copy: name it.
+            for slot in self._batched_slots:
+                g = self.params[slot].grad
+                if g is not None and g.layout is not torch.strided:
+                    raise dense_only(self.names[slot], g.layout) from None
+            raise
+
+    def _stage_batched(self) -> None:
         grads = list(map(_grad_of, self._batched_params))
         views = self._batched_views
         fresh = all(map(operator.is_not, grads, repeat(None)))
@@ -342,7 +366,7 @@ class SharedBucket(_BucketBase):
         """Finish the staged buffer for the send (view mode: divide what was accumulated in the
         views, point each ``param.grad`` at its view) and set the presence flags."""
         # Slots stage_batched finished (all present, divided, repointed) are skipped.
-        slots = self._eager_slots if self._batched_present else range(len(self.params))
+        slots = self.eager_slots if self._batched_present else range(len(self.params))
         with torch.no_grad():
             if self.view:
                 pre, state = self.pre, self.slot_state
@@ -394,7 +418,7 @@ class SharedBucket(_BucketBase):
                         for region in self._batched_regions:
                             region.div_(post)
                     _foreach_copy_(grads, self._batched_views)
-                    slots = self._eager_slots
+                    slots = self.eager_slots
             for slot in slots:
                 p = self.params[slot]
                 if flags[slot] == 0:

@@ -57,7 +57,14 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.communicator import Communicator
 from ..comm.errors import MESSAGE_LIMIT, brief
 from ..comm.hierarchical import HierarchicalAllReduce
-from ._autograd import ForwardPreHook, PassRef, StrongRef, before_accumulate, on_grad_ready
+from ._autograd import (
+    ForwardPreHook,
+    PassRef,
+    StrongRef,
+    before_accumulate,
+    on_grad_ready,
+    on_late_grad_ready,
+)
 from ._backward import BackwardPass, CommHookSlot
 from ._buckets import (
     Bucket,
@@ -318,7 +325,9 @@ class GradientReducer:
     def _register_hooks(self, view: bool) -> list[RemovableHandle]:
         ref: PassRef = (StrongRef(self._backward) if self._module is None
                         else weakref.ref(self._backward))
-        handles = [p.register_post_accumulate_grad_hook(partial(on_grad_ready, ref, i))
+        late = self._backward.late
+        handles = [p.register_post_accumulate_grad_hook(
+                       partial(on_late_grad_ready if late(i) else on_grad_ready, ref, i))
                    for i, p in enumerate(self._params)]
         if self._module is not None:
             handles.append(self._module.register_forward_pre_hook(ForwardPreHook(self)))
