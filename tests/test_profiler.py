@@ -228,9 +228,11 @@ def test_mpi_backend_under_mpiexec(tmp_path: Path) -> None:
                                ["all_gather", 16, "float32", rank]]
 
 
-def _reducer_two_steps(comm: ThreadCommunicator) -> list[tuple[int | None, str | None]]:
+def _reducer_two_steps(comm: ThreadCommunicator,
+                       hook: str = "allreduce") -> list[tuple[int | None, str | None]]:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    reducer = gradcomm.GradientReducer(model, comm, bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    reducer = gradcomm.GradientReducer(model, comm, bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5,
+                                       comm_hook=hook)
     model(torch.randn(5, 4)).sum().backward()  # the first backward also checks the comm hook
     with profile(comm) as prof:
         for _ in range(2):
@@ -255,3 +257,13 @@ def test_reducer_marks_one_profiler_step_per_backward() -> None:
             assert all("control" not in label for label in labels[:-1])
             assert labels[-1].endswith("with the control values")
             assert CONTROL_LABEL not in labels
+
+
+def test_reducer_sends_the_control_tensor_alone_through_another_hook() -> None:
+    # A comm hook sees only gradients: the control values get an all-reduce of their own.
+    results = ThreadGroup(2).run(lambda comm: _reducer_two_steps(comm, "fp16_compress"))
+    for records in results:
+        assert isinstance(records, list)
+        labels = [label for step, label in records if step == 0]
+        assert labels[-1] == CONTROL_LABEL
+        assert all("control" not in (label or "") for label in labels[:-1])
