@@ -259,9 +259,11 @@ def test_reducer_marks_one_profiler_step_per_backward() -> None:
             assert CONTROL_LABEL not in labels
 
 
-def test_reducer_sends_the_control_tensor_alone_through_another_hook() -> None:
-    # A comm hook sees only gradients: the control values get an all-reduce of their own.
+def test_reducer_sends_the_control_tensor_alone_through_another_hook_or_past_2_ranks() -> None:
+    # A comm hook sees only gradients: the control values get an all-reduce of their own; so
+    # they do at 3 ranks, where a longer bucket could regroup the gradients' additions.
     results = ThreadGroup(2).run(lambda comm: _reducer_two_steps(comm, "fp16_compress"))
+    results += ThreadGroup(3).run(_reducer_two_steps)
     for records in results:
         assert isinstance(records, list)
         labels = [label for step, label in records if step == 0]

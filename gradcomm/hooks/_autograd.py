@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .reducer import GradientReducer
 
 __all__ = ["BackwardEnd", "ForwardPreHook", "StrongRef", "PassRef", "before_accumulate",
-           "current_autograd_node", "on_grad_ready", "on_late_grad_ready",
+           "current_autograd_node", "grad_hook_of", "on_grad_ready", "on_late_grad_ready",
            "queue_engine_callback"]
 
 
@@ -160,7 +160,7 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
 
 def on_late_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook of a small gradient in a bucket that only the end of backward
-    sends (see ``BackwardPass.late``): once the pass has begun, only mark it ready -- that
+    sends (see :func:`grad_hook_of`): once the pass has begun, only mark it ready -- that
     bucket's send stages it (checking that it is dense), and no hook launches it, so nothing
     counts its gradients. Otherwise (the pass's first gradient, or the first after a failed
     pass) as :func:`on_grad_ready`. The same checks, in fewer steps: one per parameter."""
@@ -174,3 +174,14 @@ def on_late_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
     if bw.polled < bw.next:
         bw.poll()
 
+
+
+def grad_hook_of(bw: BackwardPass, pid: int) -> Callable[[PassRef, int, torch.Tensor], None]:
+    """The gradient hook of parameter ``pid``: :func:`on_late_grad_ready` when its gradient is
+    small (staged by its bucket's send) and its bucket is sent only at the end of backward, so
+    that nothing needs to count it; else :func:`on_grad_ready`."""
+    bidx, slot = bw.loc[pid]
+    b = bw.buckets[bidx]
+    late = not b.in_place and not b.eager[slot] and (
+        not bw.overlap or bidx >= bw.hook_launch_limit)
+    return on_late_grad_ready if late else on_grad_ready

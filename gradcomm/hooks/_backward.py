@@ -9,8 +9,8 @@ from the hooks (MPI progresses only inside MPI calls). At the end of backward :m
 launches the rest (no gradient on this rank counts as zeros), waits for every bucket in order and
 writes the averages back. Besides the buckets, every pass sends one small control tensor (see
 :mod:`._control`: presence flags, the failure signal and each rank's step state, checked by
-:mod:`._steps`), after the last bucket or within its all-reduce (:meth:`BackwardPass.send`). A
-pass that
+:mod:`._steps`), after the last bucket or within its all-reduce (:class:`._control.ControlCarrier`).
+A pass that
 raised is noticed at the next forward, backward or ``synchronize()``, and :meth:`abort` sends its
 remaining buckets and the control tensor marked as failed, so that the other ranks' backward of
 that step raises too instead of pairing collectives of different steps.
@@ -32,23 +32,20 @@ from torch.utils.hooks import RemovableHandle
 
 from ..comm.communicator import Communicator
 from ..comm.errors import CollectiveTimeoutError, brief
-from ..comm.types import ReduceOp
 from ..comm.work import Work
 from ._autograd import BackwardEnd, current_autograd_node, queue_engine_callback
-from ._buckets import Bucket, SharedBucket, overlapping_grads
-from ._control import CONTROL_LABEL, ControlTensor
+from ._buckets import Bucket
+from ._control import CONTROL_LABEL, ControlCarrier, ControlTensor
 from ._guard import ModelGuard
 from ._options import ReducerOptions, qualified_name
+from ._overlap import overlapping_grads
 from ._steps import StepState, active_ranks, step_mismatch
 from ._sync import broadcast_tensors, check_fingerprint
-from .comm_hooks import CommHookFn, GradBucket, allreduce_hook
+from .comm_hooks import CommHookFn, GradBucket
 
 __all__ = ["BackwardPass", "CommHookSlot", "write_back"]
 
 logger = logging.getLogger("gradcomm.hooks")
-
-# Bucket dtypes that can carry the control values (small counts, exact in either).
-_CARRIER_DTYPES = (torch.float32, torch.float64)
 
 def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: ControlTensor,
                overlapping: frozenset[int], divide_by_initial_world_size: bool,
@@ -150,15 +147,7 @@ class BackwardPass:
             b.flags = flags
             self._spans.append((offset, offset + len(b.params)))
             offset += len(b.params)
-        # The last bucket carries the control values in its all-reduce when it can (see send).
-        last = buckets[-1] if buckets else None
-        self._carrier: SharedBucket | None = None
-        self._carrier_label = ""
-        if (isinstance(last, SharedBucket) and last.dtype in _CARRIER_DTYPES
-                and last.device == comm.device):
-            last.set_tail(self.control.tensor.numel())
-            self._carrier = last
-            self._carrier_label = f"{last.grad_bucket.label()} with the control values"
+        self.carrier = ControlCarrier(comm, buckets, self.control)
         self.overlapping: frozenset[int] = frozenset()
         self.steps = StepState(options.step_check)
         # Ranks that contributed to the last reduced backward (all but the joined ones, see
@@ -270,15 +259,6 @@ class BackwardPass:
             self.abort()
             raise
 
-    def late(self, pid: int) -> bool:
-        """Whether parameter ``pid``'s gradient is small (staged by its bucket's send) and its
-        bucket is sent only by :meth:`finish`: its hook need not count it
-        (see ``_autograd.on_late_grad_ready``)."""
-        bidx, slot = self.loc[pid]
-        b = self.buckets[bidx]
-        return (not b.in_place and not b.eager[slot]
-                and (not self.overlap or bidx >= self.hook_launch_limit))
-
     def poll(self) -> None:
         """Drive progress of in-flight collectives (MPI progresses only inside MPI calls)."""
         while self.polled < self.next:
@@ -300,39 +280,15 @@ class BackwardPass:
     def launch(self, b: Bucket) -> None:
         """Stage what is missing (no gradient on this rank: zeros) and send bucket ``b``."""
         if b.pending:  # flushed at the end of backward: large gradients not staged by a hook
-            ready, ids = self.ready, b.param_ids
-            for slot in b.eager_slots:
-                if not ready[ids[slot]]:
-                    b.stage(slot)
+            b.stage_missing(self.ready)
         b.stage_batched()  # the small gradients, ready or not
         self.send(b, b.prepare(self.overlapping))
 
     def send(self, b: Bucket, grad_bucket: GradBucket) -> None:
-        """Send bucket ``b`` (its buffer ``grad_bucket``) through the comm hook.
-
-        The last bucket also carries the control tensor, whose values must be final by then
-        (step set, failure marked), when the hook is the default all-reduce on the reducer's
-        communicator and nothing pads the buffer (a reduce-scatter of stage 2 has its own hook):
-        one all-reduce of the gradients followed by the control values instead of two (DDP
-        sends none but the buckets'). Otherwise the control tensor goes alone (:meth:`finish`).
-        """
-        carrier = self._carrier
-        if (b is not carrier or self.hook.fn is not allreduce_hook
-                or self.hook.state is not self.comm or carrier.wire is None
-                or self.sink is not None):
+        """Send bucket ``b`` (its buffer ``grad_bucket``): with the control values where it can
+        carry them (see :class:`ControlCarrier`), else through the comm hook."""
+        if not self.carrier.send(b, grad_bucket, self.hook.fn, self.hook.state, self.sink):
             self.hook.send(b, grad_bucket)
-            return
-        wire, label = carrier.wire, self._carrier_label
-        carrier.grad_bucket = grad_bucket
-        carrier.work = self.control.send_in(carrier.tail, lambda: self.comm.all_reduce(
-            wire, ReduceOp.SUM, async_op=True, label=label))
-
-    def _stage_ready(self, b: Bucket) -> None:
-        """Stage, one by one, the gradients of ``b`` that arrived but wait for the send."""
-        ready, eager = self.ready, b.eager
-        for slot, pid in enumerate(b.param_ids):
-            if ready[pid] and not eager[slot]:
-                b.stage(slot)
 
     def finish(self) -> None:
         """Launch the rest, wait for every bucket in order, and write the averages back.
@@ -417,7 +373,7 @@ class BackwardPass:
                 while self.next < len(self.buckets):
                     b = self.buckets[self.next]
                     if self.view:  # leave each .grad as every hook staging it would have
-                        self._stage_ready(b)
+                        b.stage_ready(self.ready)
                     self.send(b, b.failed())
                     self.next += 1
                 self.control.send()

@@ -3,8 +3,9 @@
 Comm hooks see only gradients (``GradBucket.buffer()`` is exactly a bucket's flat gradients), so the
 reducer's own state travels in a small tensor of its own, summed once per synchronised backward
 pass after the last bucket: by an all-reduce of its own, or -- with the default ``"allreduce"``
-hook and a float32 or float64 last bucket -- as extra elements of the last bucket's all-reduce
-(:meth:`ControlTensor.send_in`), so that a step sends no more collectives than DDP's reducer:
+hook, a float32 or float64 last bucket and 2 ranks -- as extra elements of the last bucket's
+all-reduce (:meth:`ControlTensor.send_in`), so that a step sends no more collectives than DDP's
+reducer:
 
 * one presence flag per reduced parameter, in bucket order (1 where this rank has a gradient for
   it): a parameter whose flags sum to 0 had no gradient on any rank and keeps ``grad=None``;
@@ -29,8 +30,13 @@ import torch
 from ..comm.communicator import Communicator
 from ..comm.types import ReduceOp
 from ..comm.work import Work
+from ._buckets import Bucket, SharedBucket
+from .comm_hooks import GradBucket, allreduce_hook
 
-__all__ = ["ControlTensor", "CONTROL_LABEL"]
+# Bucket dtypes that can carry the control values (small counts, exact in either).
+_CARRIER_DTYPES = (torch.float32, torch.float64)
+
+__all__ = ["ControlCarrier", "ControlTensor", "CONTROL_LABEL"]
 
 CONTROL_LABEL = "control tensor (presence flags, failure signal, step state)"
 
@@ -114,3 +120,44 @@ class ControlTensor:
         self.work = None
         self._summed = None
         self._source = self.tensor
+
+
+class ControlCarrier:
+    """The last bucket, when its all-reduce can carry the control values (see the module).
+
+    Chosen once: a shared (not in-place) float32 or float64 bucket on ``comm.device``, and at most
+    2 ranks. There every transport adds the two ranks' values alike whatever the length (a + b
+    == b + a, bit for bit); with more, ring and reduce-scatter algorithms split the buffer by its
+    length, and a longer one would regroup some gradients' additions (last-bit differences from
+    the same model reduced without the control values). The bucket gets a tail for them.
+    """
+
+    def __init__(self, comm: Communicator, buckets: list[Bucket], control: ControlTensor) -> None:
+        self.comm = comm
+        self.control = control
+        last = buckets[-1] if buckets else None
+        self.bucket: SharedBucket | None = None
+        self.label = ""
+        if (isinstance(last, SharedBucket) and last.dtype in _CARRIER_DTYPES
+                and last.device == comm.device and comm.world_size <= 2):
+            last.set_tail(control.tensor.numel())
+            self.bucket = last
+            assert last.grad_bucket is not None  # made with the buffer
+            self.label = f"{last.grad_bucket.label()} with the control values"
+
+    def send(self, b: Bucket, grad_bucket: GradBucket, hook: object, state: object,
+             sink: object) -> bool:
+        """Send bucket ``b`` (its buffer ``grad_bucket``) with the control values, whose values
+        must be final (step set, failure marked), and return True -- when ``b`` is the carrier,
+        the comm hook the default all-reduce on the reducer's communicator and nothing pads the
+        buffer (no ``sink``: a reduce-scatter of stage 2 has its own hook). Else send nothing and
+        return False: the caller sends ``b`` through the hook, the control values alone."""
+        carrier = self.bucket
+        if (b is not carrier or hook is not allreduce_hook or state is not self.comm
+                or carrier.wire is None or sink is not None):
+            return False
+        wire, label = carrier.wire, self.label
+        carrier.grad_bucket = grad_bucket
+        carrier.work = self.control.send_in(carrier.tail, lambda: self.comm.all_reduce(
+            wire, ReduceOp.SUM, async_op=True, label=label))
+        return True

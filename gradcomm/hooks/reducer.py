@@ -28,11 +28,11 @@ How one backward pass is reduced (the algorithm of torch DDP's reducer, in Pytho
 
 Presence of gradients and failures: one small control tensor per backward pass (see
 :mod:`._control`), summed after the last bucket -- within that bucket's all-reduce when the hook
-is the default one and the bucket float32 or float64 -- carries one flag per parameter (1 when this
-rank has a gradient for it; a rank without an in-place gradient sends zeros in its place) and the
-failure signal. A parameter whose flags sum to 0 had no gradient on any rank and keeps
-``grad=None``; a step whose backward raised on some rank raises on every rank. The comm hooks see
-only gradients.
+is the default one, the bucket float32 or float64 and the ranks 2 -- carries one flag per
+parameter (1 when this rank has a gradient for it; a rank without an in-place gradient sends zeros
+in its place) and the failure signal. A parameter whose flags sum to 0 had no gradient on any
+rank and keeps ``grad=None``; a step whose backward raised on some rank raises on every rank. The
+comm hooks see only gradients.
 
 :class:`GradientReducer` is a facade over its parts: :mod:`._options` (validation and
 per-communicator defaults), :mod:`._buckets` (layout and storage), :mod:`._guard` (the model's
@@ -58,14 +58,7 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.communicator import Communicator
 from ..comm.errors import MESSAGE_LIMIT, brief
 from ..comm.hierarchical import HierarchicalAllReduce
-from ._autograd import (
-    ForwardPreHook,
-    PassRef,
-    StrongRef,
-    before_accumulate,
-    on_grad_ready,
-    on_late_grad_ready,
-)
+from ._autograd import ForwardPreHook, PassRef, StrongRef, before_accumulate, grad_hook_of
 from ._backward import BackwardPass, CommHookSlot
 from ._buckets import (
     Bucket,
@@ -324,11 +317,9 @@ class GradientReducer:
                      len(self._buckets), comm)
 
     def _register_hooks(self, view: bool) -> list[RemovableHandle]:
-        ref: PassRef = (StrongRef(self._backward) if self._module is None
-                        else weakref.ref(self._backward))
-        late = self._backward.late
-        handles = [p.register_post_accumulate_grad_hook(
-                       partial(on_late_grad_ready if late(i) else on_grad_ready, ref, i))
+        bw = self._backward
+        ref: PassRef = StrongRef(bw) if self._module is None else weakref.ref(bw)
+        handles = [p.register_post_accumulate_grad_hook(partial(grad_hook_of(bw, i), ref, i))
                    for i, p in enumerate(self._params)]
         if self._module is not None:
             handles.append(self._module.register_forward_pre_hook(ForwardPreHook(self)))
