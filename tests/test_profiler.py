@@ -228,9 +228,11 @@ def test_mpi_backend_under_mpiexec(tmp_path: Path) -> None:
                                ["all_gather", 16, "float32", rank]]
 
 
-def _reducer_two_steps(comm: ThreadCommunicator) -> list[tuple[int | None, str | None]]:
+def _reducer_two_steps(comm: ThreadCommunicator,
+                       hook: str = "allreduce") -> list[tuple[int | None, str | None]]:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    reducer = gradcomm.GradientReducer(model, comm, bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    reducer = gradcomm.GradientReducer(model, comm, bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5,
+                                       comm_hook=hook)
     model(torch.randn(5, 4)).sum().backward()  # the first backward also checks the comm hook
     with profile(comm) as prof:
         for _ in range(2):
@@ -245,10 +247,25 @@ def test_reducer_marks_one_profiler_step_per_backward() -> None:
         assert isinstance(records, list)
         steps = [step for step, _ in records]
         per_step = len(records) // 2
-        assert per_step >= 3  # the tiny cap gives one bucket per parameter, then the control
+        assert per_step >= 3  # the tiny cap gives one bucket per parameter
         assert steps == [0] * per_step + [1] * per_step
         for step in (0, 1):
             labels = [label for s, label in records if s == step]
-            # Every bucket, then the reducer's one control all-reduce (presence flags, failures).
-            assert all(label is not None and label.startswith("bucket") for label in labels[:-1])
-            assert labels[-1] == CONTROL_LABEL
+            # Every bucket; the last one carries the reducer's control values (presence flags,
+            # failures): no control all-reduce of its own.
+            assert all(label is not None and label.startswith("bucket") for label in labels)
+            assert all("control" not in label for label in labels[:-1])
+            assert labels[-1].endswith("with the control values")
+            assert CONTROL_LABEL not in labels
+
+
+def test_reducer_sends_the_control_tensor_alone_through_another_hook_or_past_2_ranks() -> None:
+    # A comm hook sees only gradients: the control values get an all-reduce of their own; so
+    # they do at 3 ranks, where a longer bucket could regroup the gradients' additions.
+    results = ThreadGroup(2).run(lambda comm: _reducer_two_steps(comm, "fp16_compress"))
+    results += ThreadGroup(3).run(_reducer_two_steps)
+    for records in results:
+        assert isinstance(records, list)
+        labels = [label for step, label in records if step == 0]
+        assert labels[-1] == CONTROL_LABEL
+        assert all("control" not in (label or "") for label in labels[:-1])

@@ -20,14 +20,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm.errors import brief
+from ._buckets import dense_only
 
 if TYPE_CHECKING:
     from ._backward import BackwardPass
     from .reducer import GradientReducer
 
 __all__ = ["BackwardEnd", "ForwardPreHook", "StrongRef", "PassRef", "before_accumulate",
-           "current_autograd_node", "on_grad_ready", "queue_engine_callback",
-           "refuse_recorded_graphs", "register_hooks", "remove_handles"]
+           "current_autograd_node", "grad_hook_of", "on_grad_ready", "on_late_grad_ready",
+           "queue_engine_callback", "refuse_recorded_graphs", "register_hooks", "remove_handles"]
 
 STALE_GRAPH = ("GradientReducer: backward of a graph recorded before the reducer was built (its "
                "construction broadcast changed the parameters); build the reducer first, then "
@@ -160,8 +161,7 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
         return
     grad = param.grad
     if grad is not None and grad.layout is not torch.strided:
-        raise TypeError(f"parameter {bw.names[pid]} has a {grad.layout} gradient; "
-                        "gradcomm reduces dense gradients only (use sparse=False)")
+        raise dense_only(bw.names[pid], grad.layout)
     # Runs once per parameter per backward: the checks of discard_if_stale and poll are
     # inlined so that the common case calls nothing.
     if bw.epoch_active and bw.token() is None:
@@ -192,12 +192,12 @@ def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
 
 
 def register_hooks(reducer: GradientReducer, view: bool) -> list[RemovableHandle]:
-    """Register the reducer's hooks: :func:`on_grad_ready` on every parameter, and
+    """Register the reducer's hooks: :func:`grad_hook_of`'s on every parameter, and
     :class:`ForwardPreHook` on its module (without one, in view mode, :func:`before_accumulate`
     on every parameter); returns their handles."""
     bw = reducer._backward
     ref: PassRef = StrongRef(bw) if reducer._module is None else weakref.ref(bw)
-    handles = [p.register_post_accumulate_grad_hook(partial(on_grad_ready, ref, i))
+    handles = [p.register_post_accumulate_grad_hook(partial(grad_hook_of(bw, i), ref, i))
                for i, p in enumerate(reducer._params)]
     if reducer._module is not None:
         handles.append(reducer._module.register_forward_pre_hook(ForwardPreHook(reducer)))
@@ -209,3 +209,31 @@ def register_hooks(reducer: GradientReducer, view: bool) -> list[RemovableHandle
         # accumulation notices it first.
         handles += [p.register_hook(partial(before_accumulate, ref)) for p in reducer._params]
     return handles
+
+
+def on_late_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a small gradient in a bucket that only the end of backward
+    sends (see :func:`grad_hook_of`): once the pass has begun, only mark it ready -- that
+    bucket's send stages it (checking that it is dense), and no hook launches it, so nothing
+    counts its gradients. Otherwise (the pass's first gradient, or the first after a failed
+    pass) as :func:`on_grad_ready`. The same checks, in fewer steps: one per parameter."""
+    bw = ref()
+    if bw is None or not bw.require_sync or bw.removed:
+        return
+    if not bw.epoch_active or bw.token() is None:
+        on_grad_ready(ref, pid, param)
+        return
+    bw.ready[pid] = True
+    if bw.polled < bw.next:
+        bw.poll()
+
+
+def grad_hook_of(bw: BackwardPass, pid: int) -> Callable[[PassRef, int, torch.Tensor], None]:
+    """The gradient hook of parameter ``pid``: :func:`on_late_grad_ready` when its gradient is
+    small (staged by its bucket's send) and its bucket is sent only at the end of backward, so
+    that nothing needs to count it; else :func:`on_grad_ready`."""
+    bidx, slot = bw.loc[pid]
+    b = bw.buckets[bidx]
+    late = not b.in_place and not b.eager[slot] and (
+        not bw.overlap or bidx >= bw.hook_launch_limit)
+    return on_late_grad_ready if late else on_grad_ready

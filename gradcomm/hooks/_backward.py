@@ -9,7 +9,8 @@ from the hooks (MPI progresses only inside MPI calls). At the end of backward :m
 launches the rest (no gradient on this rank counts as zeros), waits for every bucket in order and
 writes the averages back. Besides the buckets, every pass sends one small control tensor (see
 :mod:`._control`: presence flags, the failure signal and each rank's step state, checked by
-:mod:`._steps`), after the last bucket. A pass that
+:mod:`._steps`), after the last bucket or within its all-reduce (:class:`._control.ControlCarrier`).
+A pass that
 raised is noticed at the next forward, backward or ``synchronize()``, and :meth:`abort` sends its
 remaining buckets and the control tensor marked as failed, so that the other ranks' backward of
 that step raises too instead of pairing collectives of different steps.
@@ -33,10 +34,11 @@ from ..comm.communicator import Communicator
 from ..comm.errors import CollectiveTimeoutError, brief
 from ..comm.work import Work
 from ._autograd import BackwardEnd, current_autograd_node, queue_engine_callback
-from ._buckets import Bucket, overlapping_grads
-from ._control import CONTROL_LABEL, ControlTensor
+from ._buckets import Bucket
+from ._control import CONTROL_LABEL, ControlCarrier, ControlTensor
 from ._guard import ModelGuard
 from ._options import ReducerOptions, qualified_name
+from ._overlap import overlapping_grads
 from ._steps import StepState, active_ranks, step_mismatch
 from ._sync import broadcast_tensors, check_fingerprint
 from .comm_hooks import CommHookFn, GradBucket
@@ -145,6 +147,7 @@ class BackwardPass:
             b.flags = flags
             self._spans.append((offset, offset + len(b.params)))
             offset += len(b.params)
+        self.carrier = ControlCarrier(comm, buckets, self.control)
         self.overlapping: frozenset[int] = frozenset()
         self.steps = StepState(options.step_check)
         # Ranks that contributed to the last reduced backward (all but the joined ones, see
@@ -277,19 +280,15 @@ class BackwardPass:
     def launch(self, b: Bucket) -> None:
         """Stage what is missing (no gradient on this rank: zeros) and send bucket ``b``."""
         if b.pending:  # flushed at the end of backward: large gradients not staged by a hook
-            ready, eager = self.ready, b.eager
-            for slot, pid in enumerate(b.param_ids):
-                if not ready[pid] and eager[slot]:
-                    b.stage(slot)
+            b.stage_missing(self.ready)
         b.stage_batched()  # the small gradients, ready or not
-        self.hook.send(b, b.prepare(self.overlapping))
+        self.send(b, b.prepare(self.overlapping))
 
-    def _stage_ready(self, b: Bucket) -> None:
-        """Stage, one by one, the gradients of ``b`` that arrived but wait for the send."""
-        ready, eager = self.ready, b.eager
-        for slot, pid in enumerate(b.param_ids):
-            if ready[pid] and not eager[slot]:
-                b.stage(slot)
+    def send(self, b: Bucket, grad_bucket: GradBucket) -> None:
+        """Send bucket ``b`` (its buffer ``grad_bucket``): with the control values where it can
+        carry them (see :class:`ControlCarrier`), else through the comm hook."""
+        if not self.carrier.send(b, grad_bucket, self.hook.fn, self.hook.state, self.sink):
+            self.hook.send(b, grad_bucket)
 
     def finish(self) -> None:
         """Launch the rest, wait for every bucket in order, and write the averages back.
@@ -301,12 +300,12 @@ class BackwardPass:
         try:
             if self.in_place or not self.view:  # view mode repoints every grad to its view
                 self.overlapping = overlapping_grads(self.params)
+            control = self.control
+            control.set_step(self.steps.value())  # before the last bucket, which may carry it
             while self.next < len(self.buckets):
                 self.launch(self.buckets[self.next])
                 self.next += 1
-            control = self.control
-            control.set_step(self.steps.value())
-            control.send()
+            control.send()  # unless the last bucket carried it
             for b in self.buckets:
                 assert b.work is not None  # every bucket was launched above
                 self._wait(b.work, b.label())
@@ -368,14 +367,15 @@ class BackwardPass:
         back."""
         try:
             with torch.no_grad():
+                # Marked before the last bucket, which may carry the control values.
+                if self.control.mark_failed():  # unless already sent (then it is too late)
+                    self.control.set_step(self.steps.value())
                 while self.next < len(self.buckets):
                     b = self.buckets[self.next]
                     if self.view:  # leave each .grad as every hook staging it would have
-                        self._stage_ready(b)
-                    self.hook.send(b, b.failed())
+                        b.stage_ready(self.ready)
+                    self.send(b, b.failed())
                     self.next += 1
-                if self.control.mark_failed():  # unless already sent (then it is too late)
-                    self.control.set_step(self.steps.value())
                 self.control.send()
         except Exception as exc:  # noqa: BLE001 - already failing; wait for what went out
             logger.warning("GradientReducer: sending the rest of a failed backward pass failed: "

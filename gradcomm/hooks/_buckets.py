@@ -24,11 +24,12 @@ from itertools import repeat
 import torch
 from torch import nn
 
+from ..comm.errors import brief
 from ..comm.work import Work
 from .comm_hooks import GradBucket
 
 __all__ = ["BucketInfo", "SharedBucket", "InPlaceBucket", "Bucket", "assign_buckets",
-           "bucket_strides", "dense_strides", "overlapping_grads"]
+           "bucket_strides", "dense_only", "dense_strides"]
 
 #: ``(registration index, name, parameter)`` of one trainable parameter.
 Entry = tuple[int, str, nn.Parameter]
@@ -69,6 +70,12 @@ class BucketInfo:
     nbytes: int
     param_names: tuple[str, ...]
     in_place: bool = False
+
+
+def dense_only(name: str, layout: torch.layout) -> TypeError:
+    """The error for parameter ``name``'s gradient of ``layout`` (sparse), which no bucket holds."""
+    return TypeError(f"parameter {brief(name, 60)} has a {layout} gradient; gradcomm reduces "
+                     "dense gradients only (use sparse=False)")
 
 
 def dense_strides(p: torch.Tensor) -> tuple[int, ...]:
@@ -115,49 +122,6 @@ def assign_buckets(
     return [(group, False) for group in shared] + [(group, True) for group in in_place]
 
 
-def overlapping_grads(params: list[nn.Parameter]) -> frozenset[int]:
-    """Start addresses (``data_ptr()``) of the gradients whose memory overlaps the gradient of
-    another parameter.
-
-    Autograd can give two parameters views of one memory as gradients (two ``p.unsqueeze(0)``
-    added to one activation, batch of 1): reducing both in place would divide and sum that
-    memory twice, and writing the results back into it would leave the last one in both --
-    and keep them aliased, so that with ``zero_grad(set_to_none=False)`` the next backward
-    adds both parameters' gradients into one memory. Such gradients are sent as copies and
-    get tensors of their own at write-back. Views that share a storage without overlapping
-    (``torch.stack`` of parameters, or a flat gradient buffer of the user's with ``p.grad``
-    set to views of it, as apex does) are reduced and written back where they lie, as DDP
-    does. Cheap when no storage is shared: one ``untyped_storage().data_ptr()`` per
-    gradient; only grads in a shared storage have their byte extents compared.
-    """
-    by_storage: dict[int, list[torch.Tensor]] = {}
-    shared = False
-    for p in params:
-        g = p.grad
-        if g is not None and g.numel():
-            views = by_storage.setdefault(g.untyped_storage().data_ptr(), [])
-            views.append(g)
-            shared = shared or len(views) > 1
-    if not shared:
-        return frozenset()
-    spans = []  # (first byte, one past the last byte) of each grad in a shared storage
-    for views in by_storage.values():
-        if len(views) > 1:
-            for g in views:
-                last = sum((n - 1) * st for n, st in zip(g.shape, g.stride(), strict=True))
-                spans.append((g.data_ptr(), g.data_ptr() + (last + 1) * g.element_size()))
-    spans.sort()
-    overlapping: set[int] = set()
-    active: list[tuple[int, int]] = []  # spans that reach past the current start
-    for first, stop in spans:
-        active = [(a, b) for a, b in active if b > first]
-        if active:
-            overlapping.add(first)
-            overlapping.update(a for a, _ in active)
-        active.append((first, stop))
-    return frozenset(overlapping)
-
-
 class _BucketBase:
     """What every bucket has: its parameters, divide factors and per-backward state."""
 
@@ -182,6 +146,7 @@ class _BucketBase:
         self.work: Work | None = None
         self.grad_bucket: GradBucket | None = None
         self.eager = [False] * len(self.params)  # slots a gradient hook stages (see stage)
+        self.eager_slots: list[int] = []  # their indices
 
     def info(self) -> BucketInfo:
         return BucketInfo(self.index, self.device, self.dtype, self.numel,
@@ -190,6 +155,21 @@ class _BucketBase:
     def label(self) -> str:
         assert self.grad_bucket is not None  # set by the first send
         return self.grad_bucket.label()
+
+    def stage(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def stage_missing(self, ready: list[bool]) -> None:
+        """Stage the large gradients (``eager``) whose parameter is not ``ready`` (by index)."""
+        for slot in self.eager_slots:
+            if not ready[self.param_ids[slot]]:
+                self.stage(slot)
+
+    def stage_ready(self, ready: list[bool]) -> None:
+        """Stage, one by one, the small gradients whose parameter is ``ready`` (by index)."""
+        for slot, pid in enumerate(self.param_ids):
+            if ready[pid] and not self.eager[slot]:
+                self.stage(slot)
 
     def reset(self) -> None:
         """Forget this backward pass (the buffer stays allocated)."""
@@ -206,6 +186,7 @@ class SharedBucket(_BucketBase):
                  last: bool, view: bool) -> None:
         super().__init__(index, params, factors, last)
         self.view = view
+        self.tail_numel = 0  # see set_tail
         self.pad_to(self.numel)
         self.present = [False] * len(self.params)  # this rank has a gradient (this backward)
         self.slot_state = [_EMPTY] * len(self.params)  # gradient_as_bucket_view only
@@ -214,8 +195,13 @@ class SharedBucket(_BucketBase):
         """(Re)allocate the buffer as ``total >= numel`` zeros: ``data`` is all of it, ``flat`` its
         first ``numel`` elements (a reduce-scatter needs a multiple of world_size). Only before
         the first backward pass: the views are made anew."""
-        self.data = torch.zeros(total, dtype=self.dtype, device=self.device)
+        storage = torch.zeros(total + self.tail_numel, dtype=self.dtype, device=self.device)
+        self.data = storage[:total]
         self.flat = self.data[: self.numel]
+        # The flat gradients followed by the tail, for a send that carries both (see set_tail);
+        # only where nothing pads the buffer between them.
+        self.tail = storage[total:]
+        self.wire = storage[: self.numel + self.tail_numel] if total == self.numel else None
         self.views = []
         offset = 0
         for p in self.params:
@@ -228,12 +214,19 @@ class SharedBucket(_BucketBase):
         # (Complex ones one by one too: autograd may make a lazy conjugate .grad, which foreach
         # copies refuse as a destination.)
         self.eager = [p.numel() >= BATCH_MAX_NUMEL or self.dtype.is_complex for p in self.params]
-        self._eager_slots = [s for s, e in enumerate(self.eager) if e]
+        self.eager_slots = [s for s, e in enumerate(self.eager) if e]
         self._batched_slots = [s for s, e in enumerate(self.eager) if not e]
         self._batched_params = [self.params[s] for s in self._batched_slots]
         self._batched_views = [self.views[s] for s in self._batched_slots]
         self._batched_regions = self._regions(self._batched_slots)
         self._batched_present = False  # every batched slot has a gradient (this backward)
+
+    def set_tail(self, count: int) -> None:
+        """Allocate ``count`` elements right after the flat gradients (``tail``; ``wire`` is both,
+        one contiguous tensor), so that one all-reduce can carry the reducer's control values
+        with this bucket. Only before the first backward pass (the buffer is made anew)."""
+        self.tail_numel = count
+        self.pad_to(self.data.numel())
 
     def _regions(self, slots: list[int]) -> list[torch.Tensor]:
         """The flat buffer's runs of consecutive ``slots``, one 1-D view each."""
@@ -269,6 +262,18 @@ class SharedBucket(_BucketBase):
         if torch.is_grad_enabled():  # backward(create_graph=True); otherwise autograd turned it off
             with torch.no_grad():
                 return self.stage_batched()
+        try:
+            self._stage_batched()
+        except RuntimeError:
+            # No hook checked these gradients' layout (see _autograd.on_late_grad_ready); a
+            # sparse one is refused by the copy: name it.
+            for slot in self._batched_slots:
+                g = self.params[slot].grad
+                if g is not None and g.layout is not torch.strided:
+                    raise dense_only(self.names[slot], g.layout) from None
+            raise
+
+    def _stage_batched(self) -> None:
         grads = list(map(_grad_of, self._batched_params))
         views = self._batched_views
         fresh = all(map(operator.is_not, grads, repeat(None)))
@@ -329,7 +334,7 @@ class SharedBucket(_BucketBase):
         """Finish the staged buffer for the send (view mode: divide what was accumulated in the
         views, point each ``param.grad`` at its view) and set the presence flags."""
         # Slots stage_batched finished (all present, divided, repointed) are skipped.
-        slots = self._eager_slots if self._batched_present else range(len(self.params))
+        slots = self.eager_slots if self._batched_present else range(len(self.params))
         with torch.no_grad():
             if self.view:
                 pre, state = self.pre, self.slot_state
@@ -381,7 +386,7 @@ class SharedBucket(_BucketBase):
                         for region in self._batched_regions:
                             region.div_(post)
                     _foreach_copy_(grads, self._batched_views)
-                    slots = self._eager_slots
+                    slots = self.eager_slots
             for slot in slots:
                 p = self.params[slot]
                 if flags[slot] == 0:

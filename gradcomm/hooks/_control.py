@@ -1,8 +1,11 @@
 """The reducer's control tensor: what ranks must agree on besides the gradients, in one collective.
 
 Comm hooks see only gradients (``GradBucket.buffer()`` is exactly a bucket's flat gradients), so the
-reducer's own state travels in a small tensor of its own, summed by one all-reduce per synchronised
-backward pass, posted after the last bucket:
+reducer's own state travels in a small tensor of its own, summed once per synchronised backward
+pass after the last bucket: by an all-reduce of its own, or -- with the default ``"allreduce"``
+hook, a float32 or float64 last bucket and 2 ranks -- as extra elements of the last bucket's
+all-reduce (:meth:`ControlTensor.send_in`), so that a step sends no more collectives than DDP's
+reducer:
 
 * one presence flag per reduced parameter, in bucket order (1 where this rank has a gradient for
   it): a parameter whose flags sum to 0 had no gradient on any rank and keeps ``grad=None``;
@@ -20,13 +23,20 @@ float32, which every transport reduces natively and which counts ranks and forwa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..comm.communicator import Communicator
 from ..comm.types import ReduceOp
 from ..comm.work import Work
+from ._buckets import Bucket, SharedBucket
+from .comm_hooks import GradBucket, allreduce_hook
 
-__all__ = ["ControlTensor", "CONTROL_LABEL"]
+# Bucket dtypes that can carry the control values (small counts, exact in either).
+_CARRIER_DTYPES = (torch.float32, torch.float64)
+
+__all__ = ["ControlCarrier", "ControlTensor", "CONTROL_LABEL"]
 
 CONTROL_LABEL = "control tensor (presence flags, failure signal, step state)"
 
@@ -57,6 +67,7 @@ class ControlTensor:
             offset += c
         self.work: Work | None = None
         self._summed: list[float] | None = None
+        self._source = self.tensor  # where the sum lands (see send_in)
 
     def mark_failed(self) -> bool:
         """Set this rank's failure signal; False when the tensor was already sent (too late)."""
@@ -75,10 +86,23 @@ class ControlTensor:
             self.work = self.comm.all_reduce(self.tensor, ReduceOp.SUM, async_op=True,
                                              label=CONTROL_LABEL)
 
+    def send_in(self, tail: torch.Tensor, start: Callable[[], Work]) -> Work:
+        """Post the sum as part of a bucket's all-reduce instead of one of its own.
+
+        Copies the values into ``tail`` (as many elements as :attr:`tensor`, float32 or float64,
+        which count exactly up to 2**24; right after the bucket's gradients), calls ``start`` to
+        post the all-reduce (SUM) of both, and reads the sum back from ``tail``. Once per
+        backward pass, instead of :meth:`send`; returns the Work, which becomes :attr:`work`.
+        """
+        tail.copy_(self.tensor)
+        self.work = start()
+        self._source = tail
+        return self.work
+
     def summed(self) -> list[float]:
         """The summed tensor as floats (one device-to-host copy), after :attr:`work` completed."""
         if self._summed is None:
-            self._summed = self.tensor.tolist()
+            self._summed = self._source.tolist()
         return self._summed
 
     def failed_elsewhere(self) -> bool:
@@ -95,3 +119,45 @@ class ControlTensor:
         self.tensor[self._failed_slot :] = 0.0
         self.work = None
         self._summed = None
+        self._source = self.tensor
+
+
+class ControlCarrier:
+    """The last bucket, when its all-reduce can carry the control values (see the module).
+
+    Chosen once: a shared (not in-place) float32 or float64 bucket on ``comm.device``, and at most
+    2 ranks. There every transport adds the two ranks' values alike whatever the length (a + b
+    == b + a, bit for bit); with more, ring and reduce-scatter algorithms split the buffer by its
+    length, and a longer one would regroup some gradients' additions (last-bit differences from
+    the same model reduced without the control values). The bucket gets a tail for them.
+    """
+
+    def __init__(self, comm: Communicator, buckets: list[Bucket], control: ControlTensor) -> None:
+        self.comm = comm
+        self.control = control
+        last = buckets[-1] if buckets else None
+        self.bucket: SharedBucket | None = None
+        self.label = ""
+        if (isinstance(last, SharedBucket) and last.dtype in _CARRIER_DTYPES
+                and last.device == comm.device and comm.world_size <= 2):
+            last.set_tail(control.tensor.numel())
+            self.bucket = last
+            assert last.grad_bucket is not None  # made with the buffer
+            self.label = f"{last.grad_bucket.label()} with the control values"
+
+    def send(self, b: Bucket, grad_bucket: GradBucket, hook: object, state: object,
+             sink: object) -> bool:
+        """Send bucket ``b`` (its buffer ``grad_bucket``) with the control values, whose values
+        must be final (step set, failure marked), and return True -- when ``b`` is the carrier,
+        the comm hook the default all-reduce on the reducer's communicator and nothing pads the
+        buffer (no ``sink``: a reduce-scatter of stage 2 has its own hook). Else send nothing and
+        return False: the caller sends ``b`` through the hook, the control values alone."""
+        carrier = self.bucket
+        if (b is not carrier or hook is not allreduce_hook or state is not self.comm
+                or carrier.wire is None or sink is not None):
+            return False
+        wire, label = carrier.wire, self.label
+        carrier.grad_bucket = grad_bucket
+        carrier.work = self.control.send_in(carrier.tail, lambda: self.comm.all_reduce(
+            wire, ReduceOp.SUM, async_op=True, label=label))
+        return True

@@ -49,14 +49,14 @@ def _shadow_round(bw: BackwardPass) -> list[float]:
         bw.hook.agree(comm)  # as the active ranks' first backward does
     control = bw.control
     with torch.no_grad():
+        bw.steps.joined = True
+        control.set_step(bw.steps.value())  # before the last bucket, which may carry it
         for b in bw.buckets:
             b.flags.zero_()  # no gradient from this rank
             if not b.in_place:
                 b.data.zero_()
-            bw.hook.send(b, b.failed())  # a shared bucket's zeroed buffer; in place: zeros
-        bw.steps.joined = True
-        control.set_step(bw.steps.value())
-        control.send()
+            bw.send(b, b.failed())  # a shared bucket's zeroed buffer; in place: zeros
+        control.send()  # unless the last bucket carried it
     pending = [(b.work, b.label()) for b in bw.buckets] + [(control.work, CONTROL_LABEL)]
     try:
         for work, label in pending:

@@ -27,11 +27,12 @@ How one backward pass is reduced (the algorithm of torch DDP's reducer, in Pytho
    after ``loss.backward()`` sees averaged gradients.
 
 Presence of gradients and failures: one small control tensor per backward pass (see
-:mod:`._control`), all-reduced after the last bucket, carries one flag per parameter (1 when this
-rank has a gradient for it; a rank without an in-place gradient sends zeros in its place) and the
-failure signal. A parameter whose flags sum to 0 had no gradient on any rank and keeps
-``grad=None``; a step whose backward raised on some rank raises on every rank. The comm hooks see
-only gradients.
+:mod:`._control`), summed after the last bucket -- within that bucket's all-reduce when the hook
+is the default one, the bucket float32 or float64 and the ranks 2 -- carries one flag per
+parameter (1 when this rank has a gradient for it; a rank without an in-place gradient sends zeros
+in its place) and the failure signal. A parameter whose flags sum to 0 had no gradient on any
+rank and keeps ``grad=None``; a step whose backward raised on some rank raises on every rank. The
+comm hooks see only gradients.
 
 :class:`GradientReducer` is a facade over its parts: :mod:`._options` (validation and
 per-communicator defaults), :mod:`._buckets` (layout and storage), :mod:`._guard` (the model's

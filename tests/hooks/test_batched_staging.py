@@ -97,7 +97,7 @@ def test_buckets_stage_small_gradients_together_and_large_ones_in_their_hooks() 
         with seeded(0):
             model = Mixed()
         reducer = GradientReducer(model, comm)
-        return [(len(b._batched_slots), len(b._eager_slots)) for b in reducer._buckets]
+        return [(len(b._batched_slots), len(b.eager_slots)) for b in reducer._buckets]
 
     for layout in ThreadGroup(2, timeout=20.0).run(fn):
         # one bucket: 44 small parameters (40 scales, big.bias, head.weight/bias, extra) and

@@ -1285,6 +1285,15 @@ def test_sparse_gradients_rejected_naming_the_parameter() -> None:
     for err in run_ranks(2, fn2):
         assert isinstance(err, TypeError) and "table" in str(err)
 
+    def fn3(comm: ThreadCommunicator) -> Any:
+        # The sparse gradient arrives after the pass began: refused when its bucket is sent.
+        emb, head = nn.Embedding(4, 2, sparse=True), nn.Linear(2, 1)
+        GradientReducer([("table", emb.weight), ("head", head.weight)], comm)
+        head(emb(torch.tensor([1, 2]))).sum().backward()
+
+    for err in run_ranks(2, fn3):
+        assert isinstance(err, TypeError) and "table" in str(err) and "sparse" in str(err), err
+
 
 @pytest.mark.parametrize("in_place", [math.inf, 0.0])
 def test_timeout_names_the_bucket(in_place: float) -> None:
