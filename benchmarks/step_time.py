@@ -6,7 +6,8 @@ SGD step) for each variant -- the same user code for every variant:
 
 * ``gradcomm+gloo`` / ``gradcomm+mpi``: :class:`gradcomm.GradientReducer` on ``gradcomm.init``'s
   gloo / mpi communicator (overlapped, bucketed all-reduce during backward).
-* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group of its own.
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group of its own, with
+  the same ``gradient_as_bucket_view`` setting as the gradcomm variants (like for like).
 * ``old+gloo`` / ``old+mpi``: NVIDIA tacotron2's ``apply_gradient_allreduce`` (reimplemented
   below; gloo: a process group of its own): per-parameter hooks only queue one callback, which
   after backward flattens all grads of each dtype into a new buffer, all-reduces it
@@ -228,12 +229,17 @@ class DDPVariant(Variant):
     name = "ddp"
     backend = "gloo"
 
+    def __init__(self, base: nn.Module, lr: float, view: bool) -> None:
+        self.view = view
+        super().__init__(base, lr)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         # A gloo group of its own, as gradcomm+gloo has: each variant's connections and worker
         # threads then sit idle equally long between its steps.
         self.group = dist.new_group(backend="gloo")
         return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25,
-                                                   process_group=self.group)
+                                                   process_group=self.group,
+                                                   gradient_as_bucket_view=self.view)
 
 
 class DDPPowerSGDVariant(DDPVariant):
@@ -241,9 +247,10 @@ class DDPPowerSGDVariant(DDPVariant):
 
     name = "ddp+powersgd"
 
-    def __init__(self, base: nn.Module, lr: float, rank: int, start_iter: int) -> None:
+    def __init__(self, base: nn.Module, lr: float, view: bool, rank: int,
+                 start_iter: int) -> None:
         self.psgd = (rank, start_iter)
-        super().__init__(base, lr)
+        super().__init__(base, lr, view)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -373,7 +380,7 @@ class GradcommVariant(Variant):
 def build_variant(name: str, base: nn.Module, lr: float, options: dict[str, Any],
                   powersgd: tuple[int, int] = (1, 2)) -> Variant:
     if name == "ddp+powersgd":
-        return DDPPowerSGDVariant(base, lr, *powersgd)
+        return DDPPowerSGDVariant(base, lr, options["gradient_as_bucket_view"], *powersgd)
     if name.startswith("gradcomm+") and name.endswith("+powersgd"):
         return GradcommVariant(base, lr, name.split("+")[1], options, powersgd)
     if name.startswith("gradcomm+") and name.endswith("+nocheck"):
@@ -383,7 +390,7 @@ def build_variant(name: str, base: nn.Module, lr: float, options: dict[str, Any]
     if name == "local":
         return Variant(base, lr)
     if name == "ddp":
-        return DDPVariant(base, lr)
+        return DDPVariant(base, lr, options["gradient_as_bucket_view"])
     if name == "old+gloo":
         return OldGlooVariant(base, lr)
     if name == "old+mpi":
@@ -674,7 +681,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "'inf': none; default 'auto': the reducer's choice per transport (2 MiB "
                         "on mpi, inf on gloo)")
     p.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
-                   default=True, help="gradcomm: grads are views into the buckets (default on)")
+                   default=True, help="gradcomm and ddp: grads are views into the buckets "
+                                      "(default on)")
     p.add_argument("--malloc", choices=("retain", "glibc"), default="retain",
                    help="retain: glibc keeps freed memory, so page faults from heap trimming do "
                         "not land on whichever variant runs next (default); glibc: its defaults")
