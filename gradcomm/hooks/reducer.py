@@ -149,10 +149,10 @@ def _agree_on_model(comm: Communicator, module: nn.Module | None, named: list[tu
         return []
     # A graph recorded before now saved the old values: every rank must refuse its backward
     # (rank 0's values did not change, but it would wait for the others in its first bucket).
-    params = [p.detach() for _, p in named]
     if module is None:
         # Nothing marks the first new graph: autograd refuses the old one ("modified by an
         # inplace operation"), on rank 0 too since its versions are bumped as the others' are.
+        params = [p.detach() for _, p in named]
         broadcast_tensors(comm, params)
         if comm.rank == 0:
             torch.autograd.graph.increment_version(params)
@@ -308,8 +308,8 @@ class GradientReducer:
         claim_params(self._guard)  # before any collective: raised alike on every rank
         resolved = opts.resolved(comm)
         self._first_bucket_cap_mb, self._in_place_min_mb = resolved
+        self._join_refused = ""  # why join() cannot be used (set by a ShardedOptimizer)
         try:
-            self._join_refused = ""  # why join() cannot be used (set by a ShardedOptimizer)
             self._stale_graphs = _agree_on_model(comm, self._module, named, opts, resolved,
                                                  hook_fn)
         except BaseException:
@@ -450,9 +450,7 @@ class GradientReducer:
 
     def remove(self) -> None:
         """Detach every hook; later backward passes leave gradients local. Idempotent."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._handles = remove_handles(self._handles)
         self._stale_graphs = remove_handles(self._stale_graphs)
         if self._watch is not None:
             self._watch.close()
