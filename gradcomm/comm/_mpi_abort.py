@@ -59,14 +59,21 @@ def install_abort_hook() -> bool:
             try:
                 previous(exc_type, exc, tb)
             finally:
+                from mpi4py import MPI
+
+                aborting = MPI.Is_initialized() and not MPI.Is_finalized()
+                if aborting:
+                    # Said by us, before the grace period: the launcher's own MPI_Abort line can
+                    # be lost when it tears the job down.
+                    _say(f"gradcomm: uncaught {exc_type.__name__} on rank "
+                         f"{MPI.COMM_WORLD.Get_rank()}: aborting the MPI job "
+                         f"(MPI_Abort; {ABORT_ENV_VAR}=0 turns this off)")
                 for stream in (sys.stdout, sys.stderr):
                     try:
                         stream.flush()
                     except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
                         pass
-                from mpi4py import MPI
-
-                if MPI.Is_initialized() and not MPI.Is_finalized():
+                if aborting:
                     # Give the launcher a moment to forward the traceback: MPI_Abort tears the
                     # job down at once and mpiexec can drop output still in its pipes.
                     time.sleep(_ABORT_GRACE_S)
@@ -75,3 +82,11 @@ def install_abort_hook() -> bool:
         sys.excepthook = _abort_hook
         _hook_installed = True
         return True
+
+
+def _say(line: str) -> None:
+    """Write ``line`` to stderr, ignoring a closed stream (the abort must still happen)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001
+        pass

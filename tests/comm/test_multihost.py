@@ -204,7 +204,7 @@ def test_torchrun_unreachable_interface_raises_on_both_nodes(plain_hosts: Simula
     out = "\n----\n".join(o for _, o in results)
     assert all(code != 0 for code, _ in results), out
     failed = re.findall(r"INIT FAILED rank=(\d) after=([0-9.]+) RuntimeError: network check "
-                        r"failed: .*; set GLOO_SOCKET_IFNAME", out)
+                        r"failed: .*?; set GLOO_SOCKET_IFNAME", out)
     assert sorted(int(r) for r, _ in failed) == [0, 1, 2, 3], out
     assert all(float(after) <= timeout + 5 for _, after in failed), out
 
