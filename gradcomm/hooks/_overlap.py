@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
+import operator
+from functools import partial
+
 import torch
 from torch import nn
 
 __all__ = ["overlapping_grads"]
+
+_grad_of = operator.attrgetter("grad")
+_is_tensor = partial(operator.is_not, None)
+_nbytes = operator.attrgetter("nbytes")
+
+
+def _maybe_overlapping(grads: list[torch.Tensor]) -> bool:
+    """False when no two of ``grads`` can overlap in memory; True when some may (or a sparse one
+    has no address). Conservative: a span ``[data_ptr, data_ptr + nbytes)`` is exact for a
+    contiguous gradient, and any non-contiguous one sends the caller to the exact check.
+
+    Sorted by start, disjoint spans each end before the next starts; anything else may overlap.
+    Every step is a C call over all of them (``map``, ``sorted``), and nothing is allocated per
+    gradient that outlives the call, so the common case costs no Python step per parameter.
+    """
+    try:
+        if not all(map(torch.Tensor.is_contiguous, grads)):
+            return True
+        starts = list(map(torch.Tensor.data_ptr, grads))
+        ends = list(map(operator.add, starts, map(_nbytes, grads)))
+    except (RuntimeError, NotImplementedError):  # sparse: the exact check skips it
+        return True
+    order = sorted(range(len(grads)), key=starts.__getitem__)
+    first = list(map(starts.__getitem__, order))
+    stop = list(map(ends.__getitem__, order))
+    return not all(map(operator.ge, first[1:], stop[:-1]))
 
 
 def overlapping_grads(params: list[nn.Parameter]) -> frozenset[int]:
@@ -20,9 +49,12 @@ def overlapping_grads(params: list[nn.Parameter]) -> frozenset[int]:
     get tensors of their own at write-back. Views that share a storage without overlapping
     (``torch.stack`` of parameters, or a flat gradient buffer of the user's with ``p.grad``
     set to views of it, as apex does) are reduced and written back where they lie, as DDP
-    does. Cheap when no storage is shared: one ``untyped_storage().data_ptr()`` per
-    gradient; only grads in a shared storage have their byte extents compared.
+    does. Each backward pays :func:`_maybe_overlapping` (no Python step per gradient); only
+    when it finds spans that may overlap are the gradients grouped by storage and their byte
+    extents compared one by one.
     """
+    if not _maybe_overlapping(list(filter(_is_tensor, map(_grad_of, params)))):
+        return frozenset()
     by_storage: dict[int, list[torch.Tensor]] = {}
     shared = False
     for p in params:
