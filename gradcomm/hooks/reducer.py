@@ -82,6 +82,7 @@ from ._options import (
     resolve_first_bucket_cap_mb,
     resolve_in_place_min_mb,
 )
+from ._shard_grads import ShardedGrad
 from ._sync import broadcast_tensors, check_fingerprint
 from .comm_hooks import (
     CommHook,
@@ -449,8 +450,14 @@ class GradientReducer:
             bw.finish()
 
     def remove(self) -> None:
-        """Detach every hook; later backward passes leave gradients local. Idempotent."""
+        """Detach every hook; later backward passes leave gradients local. Idempotent.
+
+        A stage-2 ShardedOptimizer's gradient stand-ins are cleared (``param.grad`` None), so the
+        next backward stores local gradients."""
         self._handles = remove_handles(self._handles)
+        for p in self._params:
+            if type(p.grad) is ShardedGrad:
+                p.grad = None
         self._stale_graphs = remove_handles(self._stale_graphs)
         if self._watch is not None:
             self._watch.close()

@@ -128,8 +128,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grads = ReduceScatterGrads(self._comm, self._shards)
             reducer.register_comm_hook(reduce_scatter_hook, grads)
             reducer._backward.sink = grads.sink
-            self._grad_hooks = [p.register_hook(partial(drop_stand_in, weakref.ref(p)))
-                                for b in buckets for p in b.params]
+            # Removed with the reducer's own hooks (reducer.remove()).
+            reducer._handles += [p.register_hook(partial(drop_stand_in, weakref.ref(p)))
+                                 for b in buckets for p in b.params]
 
     def _check_stage2(self) -> None:
         r = self.reducer

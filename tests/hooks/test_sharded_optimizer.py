@@ -159,3 +159,27 @@ def test_sharded_state_refuses_another_world_size() -> None:
                                ValueError, "world_size")
 
     assert _thread_group(3).run(load) == ["ValueError:world_size"] * 3  # type: ignore[attr-defined]
+
+
+def test_stage2_remove_leaves_plain_local_gradients() -> None:
+    # After reducer.remove(), the stand-ins are gone and no hook of the optimizer is left: a
+    # backward stores this rank's own gradient, as without any reducer.
+    def body(comm: gradcomm.Communicator) -> list[bool]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        reducer = gradcomm.GradientReducer(model, comm)
+        opt = gradcomm.ShardedOptimizer(reducer, torch.optim.SGD, stage=2, lr=0.1)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(comm.rank))
+        model(x).square().sum().backward()
+        opt.step()
+        model(x).square().sum().backward()  # leaves stand-ins in param.grad
+        reducer.remove()
+        assert all(p.grad is None for p in model.parameters())
+        local = copy.deepcopy(model)
+        for m in (model, local):
+            m(x).square().sum().backward()
+        return [torch.equal(p.grad, q.grad) and p.grad.abs().sum() > 0  # type: ignore[union-attr]
+                for p, q in zip(model.parameters(), local.parameters(), strict=True)]
+
+    for got in _thread_group(2).run(body):  # type: ignore[attr-defined]
+        assert got == [True] * 4, got
