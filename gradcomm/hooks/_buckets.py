@@ -280,8 +280,8 @@ class SharedBucket(_BucketBase):
         if fresh and not any(map(operator.is_, grads, views)):
             _foreach_copy_(views, grads)
             if self.view:
-                for p, v in zip(self._batched_params, views, strict=True):
-                    p.grad = v
+                # each param.grad = its view, looping in C (setattr returns None)
+                any(map(setattr, self._batched_params, repeat("grad"), views))
         elif not (fresh and self.view and all(map(operator.is_, grads, views))):
             for slot in self._batched_slots:
                 self.stage(slot)
