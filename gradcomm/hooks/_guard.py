@@ -58,9 +58,8 @@ class _Unchanged:
 
 
 # What the forward check reads of each reduced parameter, compared with what it was.
+_param_state = operator.attrgetter("requires_grad", "dtype", "shape")
 _requires_grad = operator.attrgetter("requires_grad")
-_dtype = operator.attrgetter("dtype")
-_shape = operator.attrgetter("shape")
 
 
 def named_params(
@@ -191,8 +190,7 @@ class ModelGuard:
         self._param_ids = frozenset(id(p) for p in params)
         self.owning = True  # its reducer reduces the parameters (see claim_params)
         self._layouts = [(p.dtype, p.shape) for p in params]  # what the buckets hold
-        self._dtypes = [dtype for dtype, _ in self._layouts]
-        self._shapes = [shape for _, shape in self._layouts]
+        self._states = [(True, dtype, shape) for dtype, shape in self._layouts]
         self._owners_unchanged = self._links_unchanged = _Unchanged([])
         self.watch: StructureWatch | None = None
         if module is not None:
@@ -250,10 +248,8 @@ class ModelGuard:
         Python step per parameter, and without keeping an object per parameter alive (which would
         set off the garbage collector); only a difference is looked for one by one, to name it.
         """
-        params = self.params
-        if not (all(map(_requires_grad, params))
-                and all(map(operator.is_, map(_dtype, params), self._dtypes))
-                and all(map(operator.eq, map(_shape, params), self._shapes))
+        # One pass: each state tuple is compared and freed at once.
+        if not (all(map(operator.eq, map(_param_state, self.params), self._states))
                 and self._owners_unchanged()):
             self._check_params()
         if self.module is None or self.watch is None:
