@@ -10,10 +10,12 @@ median over calls of the max over ranks. Kinds:
   backend's ``_all_reduce`` returns); ``comm`` = ``comm.all_reduce(t)``.
 * mpi, every collective of ``--op``: ``comm`` = gradcomm's blocking call; ``raw`` = the
   non-blocking MPI call gradcomm posts (``Iallreduce``, ``Ireduce_scatter_block``, ``Iallgather``,
-  ``Ialltoall``, ``Ibcast``, ``Ireduce``, ``Igather``, ``Iscatter``) + ``Wait`` on a ``Dup`` of
-  the world communicator: ``comm / raw`` is the cost of gradcomm's layer alone; ``blocking`` =
-  the blocking call ``python -m gradcomm.bench`` takes as its raw column (``Allreduce``, ...),
-  for which MPICH may pick another algorithm than for the non-blocking one.
+  ``Ialltoall``, ``Ibcast``, ``Ireduce``, ``Igather``, ``Iscatter``) on a ``Dup`` of the world
+  communicator, polled with ``Test()`` until complete as gradcomm's wait polls it: ``comm / raw``
+  is the cost of gradcomm's layer alone; ``wait`` = the same call + ``Wait()`` (MPICH's, which
+  for messages of a few MiB was at times slower than polling here); ``blocking`` = the blocking
+  call ``python -m gradcomm.bench`` takes as its raw column (``Allreduce``, ...), for which MPICH
+  may pick another algorithm.
 
 Sizes follow the bench: ``--bytes`` is the larger buffer of one rank (the input of reduce_scatter
 and scatter's root, the output of all_gather and gather's root, the buffer of the others), float32.
@@ -112,7 +114,13 @@ def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int) -> dict[str, Callable[[
                     lambda: raw.Iscatter(rb, o, 0), lambda: raw.Scatter(rb, o, 0)),
     }
     ours, post, blocking = calls[op]
-    return {"comm": ours, "raw": lambda: post().Wait(), "blocking": blocking}
+
+    def polled() -> None:
+        request = post()
+        while not request.Test():  # as gradcomm's wait polls, without its layer
+            pass
+
+    return {"comm": ours, "raw": polled, "wait": lambda: post().Wait(), "blocking": blocking}
 
 
 def main() -> None:
