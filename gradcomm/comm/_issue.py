@@ -13,9 +13,9 @@ The short path: the common call -- nothing closed, stalled, profiled or compared
 non-empty contiguous tensors of a (dtype, device) checked before -- passes every check and needs
 no copy, so a collective may call its hook and :meth:`IssuePath._complete` directly once
 :meth:`IssuePath._fast_tail` and :meth:`IssuePath._plain_tail` have vouched for its tensors and
-its own cheap checks (root, sizes) pass. Every other call takes the general path, which raises
-what it raises. With a transport call of tens of microseconds (MPI on 1 MiB) the ten or so
-nested checks of the general path are a visible share of the call.
+its own cheap checks (root, sizes: :meth:`IssuePath._chunks_fit`) pass. Every other call takes
+the general path, which raises what it raises. With a transport call of tens of microseconds
+(MPI on 1 MiB) the ten or so nested checks of the general path are a visible share of the call.
 """
 
 from __future__ import annotations
@@ -101,13 +101,12 @@ class IssuePath(GroupMember):
                 return kind[2]
         return None
 
-    def _plain_chunks(self, buffer: object, chunk: torch.Tensor) -> TypeGuard[torch.Tensor]:
-        """Whether ``buffer``, the other tensor of a short-path call whose ``chunk`` passed, may
-        take it as the buffer of ``world_size`` chunks (all_gather's output, reduce_scatter's
-        input, the root's buffer of gather and scatter): plain (:meth:`_plain_tail`), of
-        ``chunk``'s dtype, ``world_size`` times its elements, not overlapping it in memory."""
-        return (isinstance(buffer, torch.Tensor) and self._plain_tail(buffer) is not None
-                and buffer.dtype is chunk.dtype
+    def _chunks_fit(self, buffer: object, chunk: torch.Tensor) -> TypeGuard[torch.Tensor]:
+        """Whether ``buffer`` may take the short path as the buffer of ``world_size`` chunks of
+        ``chunk`` (all_gather's output, reduce_scatter's input, the root's buffer of gather and
+        scatter): a tensor of ``chunk``'s dtype, ``world_size`` times its elements, apart from it
+        in memory. The caller has vouched for both with :meth:`_plain_tail`."""
+        return (isinstance(buffer, torch.Tensor) and buffer.dtype is chunk.dtype
                 and buffer.numel() == self._world_size * chunk.numel()
                 and not overlap(buffer, chunk))
 

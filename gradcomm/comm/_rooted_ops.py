@@ -111,7 +111,8 @@ class RootedOps(IssuePath):
         tail = self._fast_tail(input, async_op)  # the short path: see _issue
         if tail is not None and dst.__class__ is int and 0 <= dst < self._world_size:
             root = self._rank == dst  # output is ignored elsewhere
-            if not root or self._plain_chunks(output, input):
+            if not root or (self._plain_tail(output) is not None
+                            and self._chunks_fit(output, input)):
                 desc = Description("gather", next(self._seq), input.numel(), tail, f"dst={dst}",
                                    root=dst)
                 chunks = flat(output) if root and output is not None else None
@@ -160,7 +161,8 @@ class RootedOps(IssuePath):
         tail = self._fast_tail(output, async_op)  # the short path: see _issue
         if tail is not None and src.__class__ is int and 0 <= src < self._world_size:
             root = self._rank == src
-            if not root or self._plain_chunks(input, output):
+            if not root or (self._plain_tail(input) is not None
+                            and self._chunks_fit(input, output)):
                 desc = Description("scatter", next(self._seq), output.numel(), tail, f"src={src}",
                                    root=src)
                 chunks = flat(input) if root and input is not None else None

@@ -61,7 +61,7 @@ class ShardOps(IssuePath):
         """
         tail = self._fast_tail(input, async_op)  # the short path: see _issue
         if (tail is not None and self._plain_op(op) and (label is None or label.__class__ is str)
-                and self._plain_tail(output) is not None and self._plain_chunks(input, output)):
+                and self._plain_tail(output) is not None and self._chunks_fit(input, output)):
             desc = Description("reduce_scatter", next(self._seq), output.numel(), tail, op, label)
             work = self._reduce_scatter(flat(output), flat(input), op, desc)
             return self._complete(work, async_op, output)

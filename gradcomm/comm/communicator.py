@@ -261,7 +261,8 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
             RuntimeError: the communicator is closed.
         """
         tail = self._fast_tail(input, async_op)  # the short path: see _issue
-        if tail is not None and output_split_sizes is None and self._plain_chunks(output, input):
+        if (tail is not None and output_split_sizes is None
+                and self._plain_tail(output) is not None and self._chunks_fit(output, input)):
             desc = Description("all_gather", next(self._seq), input.numel(), tail)
             work = self._all_gather(flat(output), flat(input), desc)
             return self._complete(work, async_op, output)
