@@ -1,18 +1,28 @@
-"""Per-call cost of ``comm.all_reduce`` on a small tensor against the raw transport, call by call.
+"""Per-call cost of a gradcomm collective against the raw transport, call by call.
 
 ``python -m gradcomm.bench`` times rounds of many calls of one kind, so slow drift of a shared
 machine lands on whichever kind ran then. This script alternates the kinds call by call (in an
-order reversed every round) on the *same* transport object, so drift cancels, and reports the
+order reversed every round) on the *same* buffers and transport, so drift cancels, and reports the
 median over calls of the max over ranks. Kinds:
 
-* gloo: ``raw`` = ``ProcessGroupGloo.allreduce([t], opts).wait(timeout)`` on the communicator's
-  own process group; ``work`` = the same wrapped in gradcomm's ``Work`` (what the backend's
-  ``_all_reduce`` returns); ``comm`` = ``comm.all_reduce(t)``.
-* mpi: ``raw`` = mpi4py ``Iallreduce`` + ``Wait`` on a ``Dup`` of the communicator's ``MPI.Comm``;
-  ``comm`` = ``comm.all_reduce(t)``.
+* gloo (all_reduce only): ``raw`` = ``ProcessGroupGloo.allreduce([t], opts).wait(timeout)`` on the
+  communicator's own process group; ``work`` = the same wrapped in gradcomm's ``Work`` (what the
+  backend's ``_all_reduce`` returns); ``comm`` = ``comm.all_reduce(t)``.
+* mpi, every collective of ``--op``: ``comm`` = gradcomm's blocking call; ``raw`` = the
+  non-blocking MPI call gradcomm posts (``Iallreduce``, ``Ireduce_scatter_block``, ``Iallgather``,
+  ``Ialltoall``, ``Ibcast``, ``Ireduce``, ``Igather``, ``Iscatter``) on a ``Dup`` of the world
+  communicator, polled with ``Test()`` until complete as gradcomm's wait polls it: ``comm / raw``
+  is the cost of gradcomm's layer alone; ``wait`` = the same call + ``Wait()`` (MPICH's, which
+  for messages of a few MiB was at times slower than polling here); ``blocking`` = the blocking
+  call ``python -m gradcomm.bench`` takes as its raw column (``Allreduce``, ...), for which MPICH
+  may pick another algorithm.
 
-Run: ``mpiexec -n 2 python benchmarks/call_overhead.py --backend gloo --bytes 8 --calls 2000``
-(``--json FILE`` keeps the numbers; ``python benchmarks/report.py FILE`` prints them).
+Sizes follow the bench: ``--bytes`` is the larger buffer of one rank (the input of reduce_scatter
+and scatter's root, the output of all_gather and gather's root, the buffer of the others), float32.
+
+Run: ``mpiexec -n 2 python benchmarks/call_overhead.py --backend mpi --op all --bytes 1048576``
+(``--json FILE``, for one ``--op``, keeps the numbers; ``python benchmarks/report.py FILE``
+prints them).
 """
 
 from __future__ import annotations
@@ -61,16 +71,74 @@ def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls:
     return out
 
 
+#: The collectives ``--op`` takes on mpi (gloo: all_reduce only).
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce",
+       "gather", "scatter")
+
+
+def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int) -> dict[str, Callable[[], object]]:
+    """The ``comm``, ``raw`` (non-blocking + Wait) and ``blocking`` calls of ``op`` on float32
+    buffers of ``nbytes`` (the larger buffer of one rank), on gradcomm's ``comm`` and the
+    ``MPI.Comm`` ``raw``."""
+    from mpi4py import MPI
+
+    n, root = comm.world_size, comm.rank == 0
+    count = nbytes // 4
+    chunk = count // n
+    if op in ("all_reduce", "broadcast", "reduce", "all_to_all"):
+        big = torch.zeros(count)
+        other = torch.zeros(count) if op == "all_to_all" else big
+    else:
+        big, other = torch.zeros(chunk * n), torch.zeros(chunk)
+    b, o = big.numpy(), other.numpy()
+    rb = b if root else None
+    ip: Any = MPI.IN_PLACE
+    s = MPI.SUM
+    calls: dict[str, tuple[Callable[[], object], Callable[[], Any], Callable[[], object]]] = {
+        "all_reduce": (lambda: comm.all_reduce(big), lambda: raw.Iallreduce(ip, b, s),
+                       lambda: raw.Allreduce(ip, b, s)),
+        "reduce_scatter": (lambda: comm.reduce_scatter(other, big),
+                           lambda: raw.Ireduce_scatter_block(b, o, s),
+                           lambda: raw.Reduce_scatter_block(b, o, s)),
+        "all_gather": (lambda: comm.all_gather(big, other), lambda: raw.Iallgather(o, b),
+                       lambda: raw.Allgather(o, b)),
+        "all_to_all": (lambda: comm.all_to_all(big, other), lambda: raw.Ialltoall(o, b),
+                       lambda: raw.Alltoall(o, b)),
+        "broadcast": (lambda: comm.broadcast(big, 0), lambda: raw.Ibcast(b, 0),
+                      lambda: raw.Bcast(b, 0)),
+        "reduce": (lambda: comm.reduce(big, 0), lambda: raw.Ireduce(ip if root else b, rb, s, 0),
+                   lambda: raw.Reduce(ip if root else b, rb, s, 0)),
+        "gather": (lambda: comm.gather(big if root else None, other, 0),
+                   lambda: raw.Igather(o, rb, 0), lambda: raw.Gather(o, rb, 0)),
+        "scatter": (lambda: comm.scatter(other, big if root else None, 0),
+                    lambda: raw.Iscatter(rb, o, 0), lambda: raw.Scatter(rb, o, 0)),
+    }
+    ours, post, blocking = calls[op]
+
+    def polled() -> None:
+        request = post()
+        while not request.Test():  # as gradcomm's wait polls, without its layer
+            pass
+
+    return {"comm": ours, "raw": polled, "wait": lambda: post().Wait(), "blocking": blocking}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo")
+    p.add_argument("--op", choices=(*OPS, "all"), default="all_reduce",
+                   help="the collective (mpi: any, or all of them in turn; gloo: all_reduce)")
     p.add_argument("--bytes", type=int, default=8, help="message size in bytes (float32 data)")
     p.add_argument("--calls", type=int, default=2000, help="calls of each kind (default 2000)")
     p.add_argument("--json", type=Path, help="also write the numbers here (benchmarks/report.py "
-                   "prints them as a table)")
+                   "prints them as a table); one --op only")
     args = p.parse_args()
     if args.bytes < 4 or args.bytes % 4 or args.calls < 10:
         p.error("need --bytes >= 4, a multiple of 4 (float32 data), and --calls >= 10")
+    if args.backend == "gloo" and args.op != "all_reduce":
+        p.error("on gloo only --op all_reduce is measured")
+    if args.json is not None and args.op == "all":
+        p.error("--json takes the numbers of one --op")
     from mpi4py import MPI
 
     import gradcomm
@@ -80,41 +148,48 @@ def main() -> None:
     if world.Get_size() < 2:  # one process, or torchrun (whose ranks are MPI singletons)
         p.error("run under mpiexec with 2 or more ranks, e.g. "
                 "mpiexec -n 2 python benchmarks/call_overhead.py")
+    if args.bytes < 4 * world.Get_size():
+        p.error(f"need --bytes >= {4 * world.Get_size()}: a float32 element per rank")
     comm = gradcomm.init(args.backend, timeout=60)
-    t = torch.zeros(args.bytes // 4)
-    kinds: dict[str, Callable[[], object]] = {"comm": lambda: comm.all_reduce(t)}
+    meta = run_metadata(["mpiexec", "-n", str(world.Get_size()), "python",
+                         "benchmarks/call_overhead.py", *sys.argv[1:]])
     if args.backend == "gloo":
         import torch.distributed as dist
 
         from gradcomm.comm.backends.torch_dist import TorchWork
 
+        t = torch.zeros(args.bytes // 4)
         pg = comm.process_group  # type: ignore[attr-defined]
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         td = datetime.timedelta(seconds=60)
-        kinds["raw"] = lambda: pg.allreduce([t], opts).wait(td)
-        kinds["work"] = lambda: TorchWork(pg.allreduce([t], opts), "x", 60.0).wait()
+        runs = {"all_reduce": {
+            "comm": lambda: comm.all_reduce(t),
+            "raw": lambda: pg.allreduce([t], opts).wait(td),
+            "work": lambda: TorchWork(pg.allreduce([t], opts), "x", 60.0).wait(),
+        }}
     else:
         raw = world.Dup()
-        buf = t.numpy()
-        kinds["raw"] = lambda: raw.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait()
-    meta = run_metadata(["mpiexec", "-n", str(world.Get_size()), "python",
-                         "benchmarks/call_overhead.py", *sys.argv[1:]])
-    kinds_us = interleaved_times(world, kinds, args.calls, warmup=20)
-    if world.Get_rank() == 0:
-        print(f"{args.backend}, {world.Get_size()} ranks, {args.bytes} B, {args.calls} calls each, "
-              "interleaved; median / 25th percentile of the max over ranks, us")
+        runs = {op: mpi_kinds(comm, raw, op, args.bytes)
+                for op in (OPS if args.op == "all" else (args.op,))}
+    for op, kinds in runs.items():
+        kinds_us = interleaved_times(world, kinds, args.calls, warmup=20)
+        if world.Get_rank() != 0:
+            continue
+        print(f"{args.backend} {op}, {world.Get_size()} ranks, {args.bytes} B, {args.calls} calls "
+              "each, interleaved; median / 25th percentile of the max over ranks, us")
         for k, row in kinds_us.items():
-            print(f"  {k:<5} {row['median_us']:8.1f} {row['p25_us']:8.1f}")
+            print(f"  {k:<8} {row['median_us']:8.1f} {row['p25_us']:8.1f}")
         overhead = kinds_us["comm"]["median_us"] - kinds_us["raw"]["median_us"]
-        print(f"  comm - raw: {overhead:+.1f} us")
+        ratio = kinds_us["comm"]["median_us"] / kinds_us["raw"]["median_us"]
+        print(f"  comm - raw: {overhead:+.1f} us, comm / raw: {ratio:.3f}", flush=True)
         if args.json is not None:
             meta.update({"tool": "benchmarks/call_overhead.py", "world_size": world.Get_size(),
-                         "backend": args.backend, "bytes": args.bytes, "calls": args.calls,
-                         "time": "median over calls of the max over ranks",
+                         "backend": args.backend, "op": op, "bytes": args.bytes,
+                         "calls": args.calls, "time": "median over calls of the max over ranks",
                          "loadavg_end": list(os.getloadavg())})
             doc = {"meta": meta, "kinds": kinds_us, "overhead_us": overhead,
-                   "overhead_ratio": kinds_us["comm"]["median_us"] / kinds_us["raw"]["median_us"]}
+                   "overhead_ratio": ratio}
             args.json.write_text(json.dumps(doc, indent=1) + "\n")
             print(f"wrote {args.json}")
     comm.close()

@@ -162,7 +162,8 @@ def call_overhead_table(doc: dict[str, Any]) -> list[str]:
     meta = doc["meta"]
     out = [
         *provenance(meta),
-        f"{meta['backend']}, {meta['bytes']} B, {meta['calls']} calls of each kind; "
+        f"{meta['backend']} {meta.get('op', 'all_reduce')}, {meta['bytes']} B, "
+        f"{meta['calls']} calls of each kind; "
         f"time = {meta['time']}.",
         "",
         "| call | median us | 25th percentile us |",

@@ -59,6 +59,13 @@ class RootedOps(IssuePath):
                 sharing memory.
             RuntimeError: the communicator is closed.
         """
+        tail = self._fast_tail(tensor, async_op)  # the short path: see _issue
+        if (tail is not None and self._plain_op(op) and (label is None or label.__class__ is str)
+                and dst.__class__ is int and 0 <= dst < self._world_size):
+            desc = Description("reduce", next(self._seq), tensor.numel(), tail, op, f"dst={dst}",
+                               root=dst)
+            work = self._reduce(flat(tensor), dst, op, desc)
+            return self._complete(work, async_op, tensor)
         op = ReduceOp.coerce(op)
         check_call_args(async_op, label)
         self._check_open()
@@ -101,6 +108,16 @@ class RootedOps(IssuePath):
                 of the wrong size or with elements sharing memory.
             RuntimeError: the communicator is closed.
         """
+        tail = self._fast_tail(input, async_op)  # the short path: see _issue
+        if tail is not None and dst.__class__ is int and 0 <= dst < self._world_size:
+            root = self._rank == dst  # output is ignored elsewhere
+            if not root or (self._plain_tail(output) is not None
+                            and self._chunks_fit(output, input)):
+                desc = Description("gather", next(self._seq), input.numel(), tail, f"dst={dst}",
+                                   root=dst)
+                chunks = flat(output) if root and output is not None else None
+                work = self._gather(chunks, flat(input), dst, desc)
+                return self._complete(work, async_op, output if root else None)
         check_call_args(async_op)
         self._check_open()
         tail = self._check_tensor(input, "gather", reduction=False)
@@ -141,6 +158,16 @@ class RootedOps(IssuePath):
                 memory, or (on ``src`` only) ``input`` of the wrong size.
             RuntimeError: the communicator is closed.
         """
+        tail = self._fast_tail(output, async_op)  # the short path: see _issue
+        if tail is not None and src.__class__ is int and 0 <= src < self._world_size:
+            root = self._rank == src
+            if not root or (self._plain_tail(input) is not None
+                            and self._chunks_fit(input, output)):
+                desc = Description("scatter", next(self._seq), output.numel(), tail, f"src={src}",
+                                   root=src)
+                chunks = flat(input) if root and input is not None else None
+                work = self._scatter(flat(output), chunks, src, desc)
+                return self._complete(work, async_op, output)
         check_call_args(async_op)
         self._check_open()
         tail = self._check_tensor(output, "scatter", reduction=False)

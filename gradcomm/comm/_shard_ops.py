@@ -59,6 +59,12 @@ class ShardOps(IssuePath):
                 wrong device type, or ``output``'s elements share memory (``expand()``).
             RuntimeError: the communicator is closed.
         """
+        tail = self._fast_tail(input, async_op)  # the short path: see _issue
+        if (tail is not None and self._plain_op(op) and (label is None or label.__class__ is str)
+                and self._plain_tail(output) is not None and self._chunks_fit(input, output)):
+            desc = Description("reduce_scatter", next(self._seq), output.numel(), tail, op, label)
+            work = self._reduce_scatter(flat(output), flat(input), op, desc)
+            return self._complete(work, async_op, output)
         op = ReduceOp.coerce(op)
         check_call_args(async_op, label)
         self._check_open()
@@ -107,12 +113,21 @@ class ShardOps(IssuePath):
                 wrong device type, or ``output``'s elements share memory.
             RuntimeError: the communicator is closed.
         """
+        w = self._world_size
+        tail = self._fast_tail(input, async_op)  # the short path (equal splits): see _issue
+        if (tail is not None and output_split_sizes is None and input_split_sizes is None
+                and self._plain_tail(output) is not None and output.dtype is input.dtype
+                and input.dim() and not input.shape[0] % w
+                and output.shape == input.shape and not overlap(input, output)):
+            desc = Description("all_to_all", next(self._seq), input.numel(), tail)
+            each = [input.numel() // w] * w
+            work = self._all_to_all(flat(output), flat(input), each, each[:], desc)
+            return self._complete(work, async_op, output)
         check_call_args(async_op)
         self._check_open()
         tail = self._check_tensor(input, "all_to_all", reduction=False)
         self._check_tensor(output, "all_to_all", reduction=False)
         check_same_dtype("all_to_all", output, input)
-        w = self._world_size
         send = check_splits("all_to_all", "input_split_sizes", input_split_sizes, input, w)
         recv = check_splits("all_to_all", "output_split_sizes", output_split_sizes, output, w)
         if output.shape[1:] != input.shape[1:]:

@@ -226,6 +226,11 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
             ValueError: ``src`` out of range, wrong device, or elements sharing memory (expand()).
             RuntimeError: the communicator is closed.
         """
+        tail = self._fast_tail(tensor, async_op)  # the short path: see _issue
+        if tail is not None and src.__class__ is int and 0 <= src < self._world_size:
+            desc = Description("broadcast", next(self._seq), tensor.numel(), tail, f"src={src}",
+                               root=src)
+            return self._complete(self._broadcast(tensor, src, desc), async_op, tensor)
         check_call_args(async_op)
         self._check_open()
         tail = self._check_tensor(tensor, "broadcast", reduction=False)
@@ -255,6 +260,12 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
                 or ``output``'s elements share memory (``expand()``).
             RuntimeError: the communicator is closed.
         """
+        tail = self._fast_tail(input, async_op)  # the short path: see _issue
+        if (tail is not None and output_split_sizes is None
+                and self._plain_tail(output) is not None and self._chunks_fit(output, input)):
+            desc = Description("all_gather", next(self._seq), input.numel(), tail)
+            work = self._all_gather(flat(output), flat(input), desc)
+            return self._complete(work, async_op, output)
         check_call_args(async_op)
         self._check_open()
         if output_split_sizes is not None:

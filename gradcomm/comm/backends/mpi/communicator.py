@@ -291,14 +291,13 @@ class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
 
     def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
         return self._post(lambda comm, b: comm.Ibcast([b[0], MPI.BYTE], root=src),
-                          description, (self._wire(tensor), True, True))
+                          description, (tensor, True, True))
 
     def _all_gather(
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
     ) -> Work:
         return self._post(lambda comm, b: comm.Iallgather([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
-                          description, (self._wire(input), True, False),
-                          (self._wire(output), False, True))
+                          description, (input, True, False), (output, False, True))
 
     def _barrier(self, description: DescriptionLike) -> Work:
         return self._work(self._live_comm().Ibarrier(), description, ())

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 from mpi4py import MPI
 
+from ..._tensors import flat_bytes
 from ...types import Collective, ReduceOp, Support, SupportLevel
 from ...work import DescriptionLike, Work
 from .dtypes import HALF, MPI_BUFFER, mpi_op
+from .work import MPIWork
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpi4py import MPI as MPIModule
@@ -33,10 +35,11 @@ class MPIShardOps:
         _rank: int
         _timeout: float | None
         _adapter: object
+        _comm: MPIModule.Intracomm | None
+        _inflight: list[MPIWork]
 
         def _live_comm(self) -> MPIModule.Intracomm: ...
         def _datatype(self, dtype: torch.dtype) -> MPI.Datatype: ...
-        def _wire(self, tensor: torch.Tensor) -> torch.Tensor: ...
         def _prepare(self, wire: torch.Tensor, *, read: bool = True,
                      write: bool = True) -> tuple[object, Callable[[], None] | None]: ...
         def _work(self, request: MPI.Request, description: DescriptionLike,
@@ -52,21 +55,30 @@ class MPIShardOps:
         return base
 
     def _post(self, start: Callable[[MPIModule.Intracomm, list[object]], MPI.Request],
-              description: DescriptionLike, *wires: tuple[torch.Tensor, bool, bool]) -> Work:
+              description: DescriptionLike, *wires: tuple[torch.Tensor, bool, bool],
+              as_bytes: bool = True) -> Work:
         """Post ``start(comm, buffers)`` on the buffers of ``wires`` ((tensor, read, write)
-        each); the work keeps the tensors alive and runs their staging steps on completion."""
-        comm = self._live_comm()
+        each; moved as bytes unless ``as_bytes`` is False, i.e. ``start`` gives a datatype);
+        the work keeps the tensors alive and runs their staging steps on completion."""
+        comm = self._comm
         if self._adapter is None:  # host memory: zero-copy views, nothing staged or copied back
-            tensors = [w for w, _, _ in wires]
-            bufs = [MPI_BUFFER.fromaddress(t.data_ptr(), t.nbytes) for t in tensors]
+            if comm is None or self._inflight:  # closed, or an earlier collective to drive
+                comm = self._live_comm()
+            kept: list[object] = []
+            bufs: list[object] = []
+            for tensor, _, _ in wires:
+                buf = MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
+                bufs.append(buf)
+                kept += (tensor, tensor.untyped_storage(), buf)
             request = start(comm, bufs)
             request.Test()  # a peer already waiting gets this rank's data now
-            storages = [t.untyped_storage() for t in tensors]
-            return self._work(request, description, (*tensors, *storages, *bufs))
+            return MPIWork(request, description, self._timeout, tuple(kept), self._inflight)
+        comm = self._live_comm()
         bufs = []
-        kept: list[object] = []
+        kept = []
         finishes = []
-        for wire, read, write in wires:
+        for tensor, read, write in wires:
+            wire = flat_bytes(tensor) if as_bytes else tensor
             buf, finish = self._prepare(wire, read=read, write=write)
             bufs.append(buf)
             kept += (wire, wire.untyped_storage(), buf)
@@ -91,7 +103,7 @@ class MPIShardOps:
         return self._post(
             lambda comm, b: comm.Ireduce_scatter_block([b[0], n, datatype], [b[1], n, datatype],
                                                        mop),
-            description, (input, True, False), (output, False, True))
+            description, (input, True, False), (output, False, True), as_bytes=False)
 
     def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
                     input_counts: list[int], description: DescriptionLike) -> Work:
@@ -101,12 +113,12 @@ class MPIShardOps:
         if len(set(send)) == 1 and send == recv:  # even splits: MPICH's Ialltoall is faster
             return self._post(
                 lambda comm, b: comm.Ialltoall([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
-                description, (self._wire(input), True, False), (self._wire(output), False, True))
+                description, (input, True, False), (output, False, True))
         sdisp, rdisp = _displacements(send), _displacements(recv)
         return self._post(
             lambda comm, b: comm.Ialltoallv([b[0], (send, sdisp), MPI.BYTE],
                                             [b[1], (recv, rdisp), MPI.BYTE]),
-            description, (self._wire(input), True, False), (self._wire(output), False, True))
+            description, (input, True, False), (output, False, True))
 
     def _all_gather_v(self, output: torch.Tensor, input: torch.Tensor, counts: list[int],
                       description: DescriptionLike) -> Work:
@@ -115,7 +127,7 @@ class MPIShardOps:
         disp = _displacements(recv)
         return self._post(
             lambda comm, b: comm.Iallgatherv([b[0], MPI.BYTE], [b[1], (recv, disp), MPI.BYTE]),
-            description, (self._wire(input), True, False), (self._wire(output), False, True))
+            description, (input, True, False), (output, False, True))
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
                 description: DescriptionLike) -> Work:
@@ -128,27 +140,27 @@ class MPIShardOps:
         if self._rank == dst:
             return self._post(lambda comm, b: comm.Ireduce(MPI.IN_PLACE, [b[0], datatype], mop,
                                                            root=dst),
-                              description, (tensor, True, True))
+                              description, (tensor, True, True), as_bytes=False)
         return self._post(lambda comm, b: comm.Ireduce([b[0], datatype], None, mop, root=dst),
-                          description, (tensor, True, False))
+                          description, (tensor, True, False), as_bytes=False)
 
     def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
                 description: DescriptionLike) -> Work:
         if output is None:
             return self._post(lambda comm, b: comm.Igather([b[0], MPI.BYTE], None, root=dst),
-                              description, (self._wire(input), True, False))
+                              description, (input, True, False))
         return self._post(
             lambda comm, b: comm.Igather([b[0], MPI.BYTE], [b[1], MPI.BYTE], root=dst),
-            description, (self._wire(input), True, False), (self._wire(output), False, True))
+            description, (input, True, False), (output, False, True))
 
     def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
                  description: DescriptionLike) -> Work:
         if input is None:
             return self._post(lambda comm, b: comm.Iscatter(None, [b[0], MPI.BYTE], root=src),
-                              description, (self._wire(output), False, True))
+                              description, (output, False, True))
         return self._post(
             lambda comm, b: comm.Iscatter([b[1], MPI.BYTE], [b[0], MPI.BYTE], root=src),
-            description, (self._wire(output), False, True), (self._wire(input), True, False))
+            description, (output, False, True), (input, True, False))
 
 
 def _displacements(counts: list[int]) -> list[int]:
