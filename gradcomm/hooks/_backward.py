@@ -184,7 +184,7 @@ class BackwardPass:
         if (self.broadcast_buffers and self.require_sync and torch.is_grad_enabled()
                 and not in_backward and self.failed is None):
             # From the lowest rank that contributed to the last step (rank 0 unless it joined).
-            broadcast_tensors(self.comm, [b for _, b in module.named_buffers()], self.active[0])
+            broadcast_tensors(self.comm, self.guard.buffers(), self.active[0])
 
     def discard_if_stale(self) -> None:
         """Abort a pass whose backward raised (see :meth:`abort`)."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..comm.communicator import Communicator
 from ..comm.errors import brief
-from ._structure import StructureWatch
+from ._structure import ModuleBuffers, StructureWatch
 
 # Closing advice of the errors for a model changed after wrapping (details: docs/failures.md).
 _REBUILD = "change the model before wrapping it (reducer.remove() first)"
@@ -193,9 +193,15 @@ class ModelGuard:
         self._states = [(True, dtype, shape) for dtype, shape in self._layouts]
         self._owners_unchanged = self._links_unchanged = _Unchanged([])
         self.watch: StructureWatch | None = None
+        self._buffers: ModuleBuffers | None = None
         if module is not None:
             self._watch_entries(named)
             self.watch = StructureWatch()
+            self._buffers = ModuleBuffers(module, self.watch)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The module's buffers now, in ``named_buffers()`` order (none without a module)."""
+        return [] if self._buffers is None else self._buffers.current()
 
     def _ownership(self) -> tuple[list[_Entry], list[_Entry]]:
         """What the forward check compares by identity: each reduced parameter in its module's

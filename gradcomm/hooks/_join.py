@@ -35,8 +35,7 @@ __all__ = ["join_context"]
 
 
 def _buffers(bw: BackwardPass) -> list[torch.Tensor]:
-    module = bw.guard.module  # read afresh: a buffer may be reassigned between steps
-    return [] if module is None else [b for _, b in module.named_buffers()]
+    return bw.guard.buffers()  # read afresh: a buffer may be reassigned between steps
 
 
 def _shadow_round(bw: BackwardPass) -> list[float]:
