@@ -22,6 +22,7 @@ callback that fires at the end of such an inner task defers itself to the end of
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -46,13 +47,16 @@ from .comm_hooks import CommHookFn, GradBucket
 __all__ = ["BackwardPass", "CommHookSlot", "write_back"]
 
 logger = logging.getLogger("gradcomm.hooks")
+_grad_of = operator.attrgetter("grad")
 
 def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: ControlTensor,
                overlapping: frozenset[int], divide_by_initial_world_size: bool,
-               sink: Callable[[Bucket, list[float]], None] | None = None) -> None:
+               sink: Callable[[Bucket, list[float]], None] | None = None,
+               grads: list[torch.Tensor | None] | None = None) -> None:
     """Write the averages back: the sums divided by the number of ranks that contributed (all
     but the joined ones, see GradientReducer.join; or by world_size). A ``sink`` (a sharded
-    optimizer's) takes each bucket, with its parameters' summed presence flags, instead."""
+    optimizer's) takes each bucket, with its parameters' summed presence flags, instead.
+    ``grads``: every parameter's ``.grad`` by index, if the caller read them since the hooks."""
     summed, steps = control.summed(), control.steps()
     n = len(steps) - steps.count(0.0)  # joined ranks send 0
     rescale = n != len(steps) and not divide_by_initial_world_size
@@ -62,11 +66,20 @@ def write_back(buckets: list[Bucket], spans: list[tuple[int, int]], control: Con
             b.post = n / b.pre
         try:
             if sink is None:
-                b.write_back(summed[lo:hi], overlapping)
+                b.write_back(summed[lo:hi], overlapping, grads)
             else:
                 sink(b, summed[lo:hi])
         finally:
             b.post = post
+
+
+def _locations(buckets: list[Bucket], count: int) -> list[tuple[int, int]]:
+    """``(bucket index, slot)`` of each of the ``count`` parameters, by parameter index."""
+    loc = [(0, 0)] * count
+    for b in buckets:
+        for slot, pid in enumerate(b.param_ids):
+            loc[pid] = (b.index, slot)
+    return loc
 
 
 def _succeeded(work: Work) -> bool:
@@ -130,11 +143,9 @@ class BackwardPass:
         self.view = options.gradient_as_bucket_view
         self.overlap = options.overlap
         self.broadcast_buffers = options.broadcast_buffers
-        self.loc: list[tuple[int, int]] = [(0, 0)] * len(self.params)
-        for b in buckets:
-            for slot, pid in enumerate(b.param_ids):
-                self.loc[pid] = (b.index, slot)
+        self.loc = _locations(buckets, len(self.params))
         self.in_place = [b for b in buckets if b.in_place]
+        self._nbytes = [p.numel() * p.element_size() for p in self.params]  # = each grad's
         # Hooks launch the shared buckets below this index; at least one waits for the end of
         # backward, so a gradient accumulated again after its last hook (reentrant checkpointing
         # near the input) is staged again rather than refused.
@@ -277,11 +288,12 @@ class BackwardPass:
         if self.failed is None:
             self.failed = why
 
-    def launch(self, b: Bucket) -> None:
-        """Stage what is missing (no gradient on this rank: zeros) and send bucket ``b``."""
+    def launch(self, b: Bucket, grads: list[torch.Tensor | None] | None = None) -> None:
+        """Stage what is missing (no gradient here: zeros) and send ``b`` (``grads``: see
+        :func:`write_back`)."""
         if b.pending:  # flushed at the end of backward: large gradients not staged by a hook
             b.stage_missing(self.ready)
-        b.stage_batched()  # the small gradients, ready or not
+        b.stage_batched(grads)  # the small gradients, ready or not
         self.send(b, b.prepare(self.overlapping))
 
     def send(self, b: Bucket, grad_bucket: GradBucket) -> None:
@@ -298,12 +310,14 @@ class BackwardPass:
                 failed, or another rank's backward of this step raised (nothing written back).
         """
         try:
+            grads = None  # read once (after every hook) for the overlap check, sends, write-back
             if self.in_place or not self.view:  # view mode repoints every grad to its view
-                self.overlapping = overlapping_grads(self.params)
+                grads = list(map(_grad_of, self.params))
+                self.overlapping = overlapping_grads(grads, self._nbytes)
             control = self.control
             control.set_step(self.steps.value())  # before the last bucket, which may carry it
             while self.next < len(self.buckets):
-                self.launch(self.buckets[self.next])
+                self.launch(self.buckets[self.next], grads)
                 self.next += 1
             control.send()  # unless the last bucket carried it
             for b in self.buckets:
@@ -315,7 +329,7 @@ class BackwardPass:
             out_of_step = None if failed_elsewhere else step_mismatch(control.steps())
             if not failed_elsewhere and out_of_step is None:
                 write_back(self.buckets, self._spans, control, self.overlapping,
-                           self.divide_by_initial_world_size, self.sink)
+                           self.divide_by_initial_world_size, self.sink, grads)
         except BaseException as exc:
             if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
                 self.mark_failed(f"{type(exc).__name__}: {exc}")

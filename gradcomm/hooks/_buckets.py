@@ -1,13 +1,7 @@
-"""Bucket layout and storage: which gradients share a bucket, and how a bucket stages, sends and
-writes back its gradients.
+"""Bucket storage: how a bucket stages, sends and writes back its gradients (the layout, which
+gradients share a bucket, is :mod:`._bucket_plan`'s).
 
-Layout (:func:`assign_buckets`): trainable parameters grouped by (device, dtype) in reverse
-registration order -- roughly the order backward produces their gradients -- each bucket closed
-when it reaches its cap (the first one ``first_cap``), as torch DDP's reducer lays them out. A
-gradient of at least the in-place threshold is a bucket of its own, reduced in ``param.grad``
-itself (as Horovod reduces tensors); those come after the shared buckets.
-
-Storage: a :class:`SharedBucket` owns one persistent flat buffer of exactly its gradients,
+A :class:`SharedBucket` owns one persistent flat buffer of exactly its gradients,
 allocated once, into which each gradient is copied pre-divided -- a large one by its hook, the
 small ones together as the bucket is sent -- (or of which it is a view,
 ``gradient_as_bucket_view``); an :class:`InPlaceBucket` owns no buffer. Either has one presence
@@ -18,21 +12,17 @@ flag per parameter (1 where this rank has the gradient) in the reducer's control
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from itertools import repeat
+from typing import cast
 
 import torch
-from torch import nn
 
 from ..comm.errors import brief
 from ..comm.work import Work
+from ._bucket_plan import BucketInfo, Entry, dense_strides
 from .comm_hooks import GradBucket
 
-__all__ = ["BucketInfo", "SharedBucket", "InPlaceBucket", "Bucket", "assign_buckets",
-           "bucket_strides", "dense_only", "dense_strides"]
-
-#: ``(registration index, name, parameter)`` of one trainable parameter.
-Entry = tuple[int, str, nn.Parameter]
+__all__ = ["SharedBucket", "InPlaceBucket", "Bucket", "dense_only"]
 
 # What a bucket slot holds in this backward (gradient_as_bucket_view): nothing yet; the gradient,
 # pre-divided, with param.grad None until the send; the gradient accumulated in place in the view
@@ -50,76 +40,10 @@ _foreach = getattr(torch, "foreach", None)
 _foreach_copy_ = _foreach.copy_ if _foreach is not None else torch._foreach_copy_
 
 
-@dataclass(frozen=True)
-class BucketInfo:
-    """Read-only description of one bucket (see :attr:`GradientReducer.buckets`).
-
-    Attributes:
-        index: launch order (0 first, holding the gradients backward produces first).
-        device: device of the flat buffer. dtype: its dtype.
-        numel: number of gradient elements. nbytes: ``numel * element size`` (bytes).
-        param_names: names of its parameters, in buffer order.
-        in_place: the bucket is one parameter whose gradient is all-reduced in place in
-            ``param.grad`` (see ``in_place_min_mb``); it has no buffer of its own.
-    """
-
-    index: int
-    device: torch.device
-    dtype: torch.dtype
-    numel: int
-    nbytes: int
-    param_names: tuple[str, ...]
-    in_place: bool = False
-
-
 def dense_only(name: str, layout: torch.layout) -> TypeError:
     """The error for parameter ``name``'s gradient of ``layout`` (sparse), which no bucket holds."""
     return TypeError(f"parameter {brief(name, 60)} has a {layout} gradient; gradcomm reduces "
                      "dense gradients only (use sparse=False)")
-
-
-def dense_strides(p: torch.Tensor) -> tuple[int, ...]:
-    """The strides of ``p``'s view in a shared bucket: dense, in ``p``'s memory order (as
-    ``torch.empty_like`` makes them; channels_last stays channels_last, like DDP's views)."""
-    return tuple(torch.empty_like(p, device="meta").stride())
-
-
-def bucket_strides(p: torch.Tensor) -> tuple[int, ...]:
-    """:func:`dense_strides` as the cross-rank fingerprint compares them: 0 for dims of size 1,
-    whose stride does not change where any element lies."""
-    return tuple(st if n > 1 else 0 for n, st in zip(p.shape, dense_strides(p), strict=True))
-
-
-def assign_buckets(
-    params: list[Entry], cap_bytes: int, first_cap_bytes: int, in_place_bytes: int | None = None,
-) -> list[tuple[list[Entry], bool]]:
-    """Group by (device, dtype) in reverse order; close a bucket when it reaches its cap.
-
-    A parameter of at least ``in_place_bytes`` (None: none) is a bucket of its own, reduced in
-    place. Returns ``(group, in_place)`` pairs in launch order: the shared buckets by their first
-    parameter (highest registration index), descending -- the order backward fills them -- then
-    the in-place ones, in the same order (they are sent at the end of backward).
-    """
-    open_: dict[tuple[torch.device, torch.dtype], list[Entry]] = {}
-    size: dict[tuple[torch.device, torch.dtype], int] = {}
-    shared: list[list[Entry]] = []
-    in_place: list[list[Entry]] = []
-    for entry in reversed(params):
-        p = entry[2]
-        nbytes = p.numel() * p.element_size()
-        if in_place_bytes is not None and nbytes >= in_place_bytes:
-            in_place.append([entry])
-            continue
-        key = (p.device, p.dtype)
-        open_.setdefault(key, []).append(entry)
-        size[key] = size.get(key, 0) + nbytes
-        limit = first_cap_bytes if not shared else cap_bytes
-        if size[key] >= limit:
-            shared.append(open_.pop(key))
-            size[key] = 0
-    shared.extend(open_.values())
-    shared.sort(key=lambda b: -b[0][0])
-    return [(group, False) for group in shared] + [(group, True) for group in in_place]
 
 
 class _BucketBase:
@@ -217,6 +141,7 @@ class SharedBucket(_BucketBase):
         self.eager_slots = [s for s, e in enumerate(self.eager) if e]
         self._batched_slots = [s for s, e in enumerate(self.eager) if not e]
         self._batched_params = [self.params[s] for s in self._batched_slots]
+        self._batched_pids = [self.param_ids[s] for s in self._batched_slots]
         self._batched_views = [self.views[s] for s in self._batched_slots]
         self._batched_regions = self._regions(self._batched_slots)
         self._batched_present = False  # every batched slot has a gradient (this backward)
@@ -246,8 +171,10 @@ class SharedBucket(_BucketBase):
         self.slot_state = [_EMPTY] * len(self.params)
         self._batched_present = False
 
-    def stage_batched(self) -> None:
-        """Stage every small gradient (``eager[slot]`` False) at once, as its bucket is sent.
+    def stage_batched(self, grads: list[torch.Tensor | None] | None = None) -> None:
+        """Stage every small gradient (``eager[slot]`` False) at once, as its bucket is sent
+        (``grads``: every parameter's ``.grad`` by index, as the caller read them just now, or
+        None to read them here).
 
         When each has a fresh gradient (none is None or its view): one foreach copy into the
         views, then one in-place division per run of them in the buffer -- the same values, bit
@@ -261,9 +188,9 @@ class SharedBucket(_BucketBase):
             return
         if torch.is_grad_enabled():  # backward(create_graph=True); otherwise autograd turned it off
             with torch.no_grad():
-                return self.stage_batched()
+                return self.stage_batched(grads)
         try:
-            self._stage_batched()
+            self._stage_batched(grads)
         except RuntimeError:
             # No hook checked these gradients' layout (see _autograd.on_late_grad_ready); a
             # sparse one is refused by the copy: name it.
@@ -273,12 +200,17 @@ class SharedBucket(_BucketBase):
                     raise dense_only(self.names[slot], g.layout) from None
             raise
 
-    def _stage_batched(self) -> None:
-        grads = list(map(_grad_of, self._batched_params))
+    def _batched_grads(self, grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        if grads is None:
+            return list(map(_grad_of, self._batched_params))
+        return list(map(grads.__getitem__, self._batched_pids))  # no second read of each .grad
+
+    def _stage_batched(self, all_grads: list[torch.Tensor | None] | None) -> None:
+        grads = self._batched_grads(all_grads)
         views = self._batched_views
         fresh = all(map(operator.is_not, grads, repeat(None)))
         if fresh and not any(map(operator.is_, grads, views)):
-            _foreach_copy_(views, grads)
+            _foreach_copy_(views, cast(list[torch.Tensor], grads))  # none is None (fresh)
             if self.view:
                 # each param.grad = its view, looping in C (setattr returns None)
                 any(map(setattr, self._batched_params, repeat("grad"), views))
@@ -366,8 +298,10 @@ class SharedBucket(_BucketBase):
         assert self.grad_bucket is not None  # made in __init__
         return self.grad_bucket
 
-    def write_back(self, flags: list[float], overlapping: frozenset[int]) -> None:
-        """Average and write back the summed buffer (``flags``: the summed presence flags)."""
+    def write_back(self, flags: list[float], overlapping: frozenset[int],
+                   grads: list[torch.Tensor | None] | None = None) -> None:
+        """Average and write back the summed buffer (``flags``: the summed presence flags;
+        ``grads``: as for :meth:`stage_batched`)."""
         post = self.post
         slots: range | list[int] = range(len(self.params))
         with torch.no_grad():
@@ -379,13 +313,13 @@ class SharedBucket(_BucketBase):
             elif self._batched_slots and not overlapping:
                 # Small gradients of this rank's own: one division per run of them in the
                 # buffer, then one foreach copy out (bit for bit a division into each).
-                grads = list(map(_grad_of, self._batched_params))
-                if (all(map(operator.is_not, grads, repeat(None)))
+                batched = self._batched_grads(grads)
+                if (all(map(operator.is_not, batched, repeat(None)))
                         and all(map(flags.__getitem__, self._batched_slots))):
                     if post != 1.0:
                         for region in self._batched_regions:
                             region.div_(post)
-                    _foreach_copy_(grads, self._batched_views)
+                    _foreach_copy_(cast(list[torch.Tensor], batched), self._batched_views)
                     slots = self.eager_slots
             for slot in slots:
                 p = self.params[slot]
@@ -425,7 +359,7 @@ class InPlaceBucket(_BucketBase):
     def stage(self, slot: int) -> None:
         """Nothing to copy: the gradient stays where it is; :meth:`prepare` reads and divides it."""
 
-    def stage_batched(self) -> None:
+    def stage_batched(self, grads: list[torch.Tensor | None] | None = None) -> None:
         """Nothing to copy (see :meth:`stage`)."""
 
     def _wrap(self, buf: torch.Tensor) -> GradBucket:
@@ -471,7 +405,8 @@ class InPlaceBucket(_BucketBase):
         p = self.params[0]
         return self._wrap(torch.zeros(p.shape, dtype=p.dtype, device=p.device))
 
-    def write_back(self, flags: list[float], overlapping: frozenset[int]) -> None:
+    def write_back(self, flags: list[float], overlapping: frozenset[int],
+                   grads: list[torch.Tensor | None] | None = None) -> None:
         """Post-divide the sum and leave it in ``param.grad`` (``flags``: the summed flag)."""
         buf, self.buffer = self.buffer, None
         assert buf is not None  # set by the send

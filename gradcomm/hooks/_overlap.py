@@ -4,42 +4,47 @@ from __future__ import annotations
 
 import operator
 from functools import partial
+from itertools import compress
 
 import torch
-from torch import nn
 
 __all__ = ["overlapping_grads"]
 
-_grad_of = operator.attrgetter("grad")
-_is_tensor = partial(operator.is_not, None)
-_nbytes = operator.attrgetter("nbytes")
+_present = partial(operator.is_not, None)
 
 
-def _maybe_overlapping(grads: list[torch.Tensor]) -> bool:
-    """False when no two of ``grads`` can overlap in memory; True when some may (or a sparse one
-    has no address). Conservative: a span ``[data_ptr, data_ptr + nbytes)`` is exact for a
-    contiguous gradient, and any non-contiguous one sends the caller to the exact check.
+def _maybe_overlapping(grads: list[torch.Tensor | None], nbytes: list[int]) -> bool:
+    """False when no two of ``grads`` (None: no gradient) can overlap in memory; True when some
+    may (or a sparse one has no address). ``nbytes[i]`` is ``grads[i].nbytes``, known from its
+    parameter (a gradient has its parameter's shape and dtype). Conservative: a span
+    ``[data_ptr, data_ptr + nbytes)`` is exact for a contiguous gradient, and any non-contiguous
+    one sends the caller to the exact check.
 
     Sorted by start, disjoint spans each end before the next starts; anything else may overlap.
     Every step is a C call over all of them (``map``, ``sorted``), and nothing is allocated per
     gradient that outlives the call, so the common case costs no Python step per parameter.
     """
+    present = list(map(_present, grads))
+    tensors: list[torch.Tensor] = list(compress(grads, present))  # type: ignore[arg-type]
+    if len(tensors) != len(grads):
+        nbytes = list(compress(nbytes, present))
     try:
-        if not all(map(torch.Tensor.is_contiguous, grads)):
+        if not all(map(torch.Tensor.is_contiguous, tensors)):
             return True
-        starts = list(map(torch.Tensor.data_ptr, grads))
-        ends = list(map(operator.add, starts, map(_nbytes, grads)))
+        starts = list(map(torch.Tensor.data_ptr, tensors))
     except (RuntimeError, NotImplementedError):  # sparse: the exact check skips it
         return True
-    order = sorted(range(len(grads)), key=starts.__getitem__)
+    ends = list(map(operator.add, starts, nbytes))
+    order = sorted(range(len(starts)), key=starts.__getitem__)
     first = list(map(starts.__getitem__, order))
     stop = list(map(ends.__getitem__, order))
     return not all(map(operator.ge, first[1:], stop[:-1]))
 
 
-def overlapping_grads(params: list[nn.Parameter]) -> frozenset[int]:
+def overlapping_grads(grads: list[torch.Tensor | None], nbytes: list[int]) -> frozenset[int]:
     """Start addresses (``data_ptr()``) of the gradients whose memory overlaps the gradient of
-    another parameter.
+    another parameter (``grads``: each parameter's ``.grad``; ``nbytes``: each one's size in
+    bytes, as its parameter's).
 
     Autograd can give two parameters views of one memory as gradients (two ``p.unsqueeze(0)``
     added to one activation, batch of 1): reducing both in place would divide and sum that
@@ -53,12 +58,11 @@ def overlapping_grads(params: list[nn.Parameter]) -> frozenset[int]:
     when it finds spans that may overlap are the gradients grouped by storage and their byte
     extents compared one by one.
     """
-    if not _maybe_overlapping(list(filter(_is_tensor, map(_grad_of, params)))):
+    if not _maybe_overlapping(grads, nbytes):
         return frozenset()
     by_storage: dict[int, list[torch.Tensor]] = {}
     shared = False
-    for p in params:
-        g = p.grad
+    for g in grads:
         if g is not None and g.numel():
             try:
                 ptr = g.untyped_storage().data_ptr()

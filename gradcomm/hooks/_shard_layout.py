@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..comm.communicator import Communicator
-from ._buckets import Bucket, bucket_strides, dense_strides
+from ._bucket_plan import bucket_strides, dense_strides
+from ._buckets import Bucket
 
 __all__ = ["Segment", "BucketShard", "flat_of", "check_dense", "all_gather_object",
            "gather_params"]

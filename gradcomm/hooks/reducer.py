@@ -59,14 +59,8 @@ from ..comm.errors import MESSAGE_LIMIT, brief
 from ..comm.hierarchical import HierarchicalAllReduce
 from ._autograd import refuse_recorded_graphs, register_hooks, remove_handles
 from ._backward import BackwardPass, CommHookSlot
-from ._buckets import (
-    Bucket,
-    BucketInfo,
-    InPlaceBucket,
-    SharedBucket,
-    assign_buckets,
-    bucket_strides,
-)
+from ._bucket_plan import BucketInfo, assign_buckets, bucket_strides
+from ._buckets import Bucket, InPlaceBucket, SharedBucket
 from ._guard import (
     ModelGuard,
     claim_params,
