@@ -21,18 +21,24 @@ from gradcomm.comm.backends._threads import ThreadGroup
 Call = Callable[[Communicator], object]
 
 
+def _rooted_and_shard_ops(comm: Communicator, big: torch.Tensor, small: torch.Tensor) -> None:
+    """One good call of each collective but all_reduce, in a fixed order (2 ranks: ``big`` holds
+    two of ``small``)."""
+    comm.broadcast(big, 0)
+    comm.all_gather(big, small)
+    comm.reduce_scatter(small, big)
+    comm.all_to_all(big.clone(), big)
+    comm.reduce(big, 0)
+    comm.gather(big if comm.rank == 0 else None, small, 0)
+    comm.scatter(small, big if comm.rank == 0 else None, 0)
+
+
 def _warm(comm: Communicator) -> None:
     """One good call of each collective on float32 and int64: their kinds are then cached."""
     for dtype in (torch.float32, torch.int64):
         big, small = torch.ones(4, dtype=dtype), torch.ones(2, dtype=dtype)
         comm.all_reduce(small)
-        comm.broadcast(big, 0)
-        comm.all_gather(big, small)
-        comm.reduce_scatter(small, big)
-        comm.all_to_all(big.clone(), big)
-        comm.reduce(big, 0)
-        comm.gather(big if comm.rank == 0 else None, small, 0)
-        comm.scatter(small, big if comm.rank == 0 else None, 0)
+        _rooted_and_shard_ops(comm, big, small)
 
 
 def _bad_calls() -> list[Call]:
@@ -171,14 +177,8 @@ def test_profiler_and_debug_see_calls_made_after_the_kinds_are_cached() -> None:
     def run(comm: Communicator) -> tuple[list[str], str]:
         _warm(comm)
         prof = Profiler(comm).attach()
-        f, h = torch.ones(4), torch.ones(2)
-        comm.broadcast(f, 0)
-        comm.all_gather(f, h)
-        comm.reduce_scatter(h, f)
-        comm.all_to_all(f.clone(), f)
-        comm.reduce(f, 0)
-        comm.gather(f if comm.rank == 0 else None, h, 0)
-        comm.scatter(h, f if comm.rank == 0 else None, 0)
+        f = torch.ones(4)
+        _rooted_and_shard_ops(comm, f, torch.ones(2))
         prof.detach()
         comm.debug = "detail"
         with pytest.raises(RuntimeError) as info:
