@@ -71,10 +71,14 @@ OPTIMS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 def train(comm: gradcomm.Communicator, name: str, stage: int | None, steps: int, *,
           reducer_opts: dict[str, Any] | None = None, clip: float | None = None,
           start: int = 0, state: Any = None, shard_state: Any = None, model_state: Any = None,
-          after: Callable[[Any, nn.Module, int], None] | None = None) -> tuple[nn.Module, Any]:
+          after: Callable[[Any, nn.Module, int], None] | None = None,
+          before_step: Callable[[nn.Module, int], None] | None = None,
+          zero_model: bool = False) -> tuple[nn.Module, Any]:
     """Train ``steps`` steps from ``start`` (loading a full ``state``, a ``shard_state`` of
     ``sharded_state_dict()``, a model state); ``stage`` None: the unsharded reference. Step 1
-    accumulates two half batches under no_sync; an LR scheduler halves lr every 2 steps."""
+    accumulates two half batches under no_sync; an LR scheduler halves lr every 2 steps.
+    ``before_step`` runs between backward and step; ``zero_model``: gradients are reset with
+    ``model.zero_grad()`` instead of the optimizer's."""
     cls, kw = OPTIMS[name]
     model = Model()
     if model_state is not None:
@@ -101,6 +105,8 @@ def train(comm: gradcomm.Communicator, name: str, stage: int | None, steps: int,
             ((model(x) - y) ** 2).mean().backward()
         if stage == 2:
             check_no_full_grads(model)
+        if before_step is not None:
+            before_step(model, step)
         if clip is not None:
             if stage is None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -108,7 +114,10 @@ def train(comm: gradcomm.Communicator, name: str, stage: int | None, steps: int,
                 opt.clip_grad_norm_(clip)
         opt.step()
         sched.step()
-        opt.zero_grad()
+        if zero_model:
+            model.zero_grad()
+        else:
+            opt.zero_grad()
         if after is not None:
             after(opt, model, step)
     reducer.remove()
@@ -177,6 +186,65 @@ def value_cases(comm: gradcomm.Communicator) -> list[str]:
     return done
 
 
+def _drop_bias_grad(model: nn.Module, step: int) -> None:
+    """Every other step, one parameter's gradient is set to None after backward: torch's
+    optimizers skip it (no update, no state change)."""
+    if step % 2 == 0:
+        model.b.bias.grad = None  # type: ignore[union-attr]
+
+
+def grad_state_cases(comm: gradcomm.Communicator) -> list[str]:
+    """``param.grad`` is the gradient state, as in torch: ``model.zero_grad()`` resets it (no
+    accumulation into the next step), and a gradient set to None after backward skips its
+    parameter's update; both stages equal the unsharded optimizer doing the same."""
+    done = []
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("model.zero_grad", {"zero_model": True}),
+        ("grad=None", {"before_step": _drop_bias_grad}),
+        ("views+model.zero_grad", {"zero_model": True,
+                                   "reducer_opts": {"gradient_as_bucket_view": True}}),
+    ]
+    for what, kw in variants:
+        want = params_of(train(comm, "adamw", None, 4, **kw)[0])
+        for stage in (1, 2):
+            got = params_of(train(comm, "adamw", stage, 4, **kw)[0])
+            err = check_close(f"{what} stage {stage}", got, want, RTOL[stage])
+            if not identical_across_ranks(comm, got):
+                raise AssertionError(f"{what} stage {stage}: parameters differ across ranks")
+            done.append(f"{what}/{stage}/err={err:.1e}")
+    return done
+
+
+def skipped_backward_cases(comm: gradcomm.Communicator) -> list[str]:
+    """Rank 1 skips the backward of step 1 but calls step() and zero_grad() as the others do:
+    its step() sends nothing (no synchronised backward since the last one), so the next
+    collectives pair backward with backward and every rank raises the step check's error."""
+    done = []
+    for stage in (1, 2):
+        model = Model()
+        reducer = GradientReducer(model, comm)
+        opt = ShardedOptimizer(reducer, torch.optim.AdamW, stage=stage, lr=0.01)
+        raised = None
+        for step in range(3):
+            x, y = data(step, comm.rank, comm.world_size)
+            loss = ((model(x) - y) ** 2).mean()
+            try:
+                if not (step == 1 and comm.rank == 1):
+                    loss.backward()
+            except RuntimeError as e:
+                raised = (step, str(e))
+                break
+            opt.step()
+            opt.zero_grad()
+        reducer.remove()
+        # the others raise at the end of step 1's backward, rank 1 at step 2's: same pairing
+        if raised is None or raised[0] != (2 if comm.rank == 1 else 1) \
+                or "ranks out of step" not in raised[1]:
+            raise AssertionError(f"stage {stage}: rank {comm.rank} got {raised}")
+        done.append(f"skip/{stage}")
+    return done
+
+
 def expect_error(fn: Callable[[], Any], exc: type[Exception], words: str) -> str:
     try:
         fn()
@@ -218,4 +286,5 @@ def bad_input_cases(comm: gradcomm.Communicator) -> list[str]:
 def sharded_cases(comm: gradcomm.Communicator, bad_inputs: bool) -> list[str]:
     """:func:`value_cases`, then :func:`bad_input_cases` if ``bad_inputs``: a case function for
     ``ranks.RankRunner``; the names of the cases done."""
-    return value_cases(comm) + (bad_input_cases(comm) if bad_inputs else [])
+    return (value_cases(comm) + grad_state_cases(comm) + skipped_backward_cases(comm)
+            + (bad_input_cases(comm) if bad_inputs else []))

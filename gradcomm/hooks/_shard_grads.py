@@ -4,13 +4,18 @@ gradients comes from, and the global-norm clipping computed from shards.
 Stage 1 reads the shard out of ``param.grad`` (the reducer all-reduced it as usual). Stage 2
 (:class:`ReduceScatterGrads`) turns the reducer's all-reduce into a reduce-scatter: its comm hook
 :func:`reduce_scatter_hook` sums each bucket into this rank's shard only, and its sink replaces the
-reducer's write-back -- the shard is averaged (post-divided) and kept, added to what an earlier
-synchronised backward since ``zero_grad`` left (as gradients accumulate in ``param.grad``), and
-every ``param.grad`` of the bucket is set to a :class:`ShardedGrad`: a stand-in that refuses every
-operation, so that code reading the full gradient (``torch.nn.utils.clip_grad_norm_``, a gradient
-norm logged from ``param.grad``, ``GradScaler.unscale_``) raises instead of silently skipping a
-gradient that is None. A tensor hook (:func:`drop_stand_in`) clears it before autograd accumulates
-the next backward's gradient.
+reducer's write-back -- the shard is averaged (post-divided) and kept, and every ``param.grad`` of
+the bucket is set to a :class:`ShardedGrad`: a stand-in that refuses every operation, so that code
+reading the full gradient (``torch.nn.utils.clip_grad_norm_``, a gradient norm logged from
+``param.grad``, ``GradScaler.unscale_``) raises instead of silently skipping a gradient that is
+None.
+
+The stand-in is also the parameter's gradient state, as ``param.grad`` is in torch: a parameter
+whose stand-in is still there when the next backward reaches it accumulates (its part of the kept
+shard is added to), and one whose ``param.grad`` was set to None meanwhile (``model.zero_grad()``,
+by hand) starts afresh, and is skipped by a step taken before that. A tensor hook
+(:func:`drop_stand_in`) notes a stand-in and clears it before autograd accumulates the next
+backward's gradient.
 """
 
 from __future__ import annotations
@@ -61,11 +66,13 @@ class ShardedGrad(torch.Tensor):
         return one.expand(param.shape).as_subclass(ShardedGrad)
 
 
-def drop_stand_in(ref: weakref.ref[torch.Tensor], grad: torch.Tensor) -> None:
+def drop_stand_in(carried: set[int], ref: weakref.ref[torch.Tensor], grad: torch.Tensor) -> None:
     """Tensor hook of a stage-2 parameter, run before autograd accumulates ``grad``: a
-    :class:`ShardedGrad` in ``param.grad`` is cleared, so the new gradient is stored, not added."""
+    :class:`ShardedGrad` in ``param.grad`` is cleared, so the new gradient is stored, not added,
+    and the parameter's id goes into ``carried``: its kept shard is added to at the next sink."""
     param = ref()
     if param is not None and type(param.grad) is ShardedGrad:
+        carried.add(id(param))
         param.grad = None
 
 
@@ -76,6 +83,7 @@ class ReduceScatterGrads:
         self.comm = comm
         self.shards = shards
         self.stand_ins = [[ShardedGrad.of(p) for p in bs.bucket.params] for bs in shards]
+        self.carried: set[int] = set()  # see drop_stand_in
 
     def launch(self, bucket: GradBucket) -> Work:
         """Start the reduce-scatter (SUM) of one bucket into this rank's shard."""
@@ -106,15 +114,23 @@ class ReduceScatterGrads:
         assert bs.pending is not None and bs.grad is not None  # set by launch
         out, accumulate = bs.pending
         bs.pending = None
+        carried = self.carried
+        # A parameter keeps its earlier gradient if its stand-in was there when this backward
+        # reached it (the hook noted it) or still is (the parameter got no gradient).
+        kept = [id(p) in carried or type(p.grad) is ShardedGrad for p in b.params]
+        carried.difference_update(map(id, b.params))
         with torch.no_grad():
             if b.post != 1.0:
                 out.div_(b.post)
             if accumulate:
+                for s in bs.segments:
+                    if not kept[s.slot]:  # its param.grad was set to None: start afresh
+                        bs.grad[s.start:s.start + s.hi - s.lo].zero_()
                 bs.grad.add_(out)
         bs.filled = True
         for slot, (p, stand_in) in enumerate(zip(b.params, self.stand_ins[b.index],
                                                  strict=True)):
-            bs.present[slot] = bs.present[slot] or flags[slot] > 0
+            bs.present[slot] = (accumulate and kept[slot] and bs.present[slot]) or flags[slot] > 0
             p.grad = stand_in
 
 
@@ -129,14 +145,16 @@ def attach_grads(shards: list[BucketShard], stage: int) -> None:
     so the optimizer skips it as an unsharded one would).
 
     Stage 1: a view of ``param.grad`` (a copy when the gradient lies in another memory order);
-    stage 2: a view of the kept shard.
+    stage 2: a view of the kept shard, unless ``param.grad`` no longer holds its stand-in (set to
+    None since the backward, as torch skips such a parameter).
     """
     for bs in shards:
         for s in bs.segments:
             if stage == 1:
                 g = s.param.grad
                 s.tensor.grad = None if g is None else flat_of(g, s.param)[s.lo:s.hi]
-            elif bs.grad is not None and bs.filled and bs.present[s.slot]:
+            elif (bs.grad is not None and bs.filled and bs.present[s.slot]
+                  and type(s.param.grad) is ShardedGrad):
                 s.tensor.grad = bs.grad[s.start:s.start + s.hi - s.lo]
             else:
                 s.tensor.grad = None

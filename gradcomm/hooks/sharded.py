@@ -110,6 +110,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._shards = [BucketShard(b, self._comm.world_size, self._comm.rank) for b in buckets]
         self._grouped: set[int] = set()
         self._gather_buffers: list[torch.Tensor] = []
+        self._stepped_at = reducer._backward.steps.synced  # see step()
         super().__init__(list(reducer._params) if params is None else params, defaults)
         self.optim = optimizer_class(
             [self._local_group(g) for g in self.param_groups], **defaults)
@@ -129,8 +130,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             reducer.register_comm_hook(reduce_scatter_hook, grads)
             reducer._backward.sink = grads.sink
             # Removed with the reducer's own hooks (reducer.remove()).
-            reducer._handles += [p.register_hook(partial(drop_stand_in, weakref.ref(p)))
-                                 for b in buckets for p in b.params]
+            reducer._handles += [
+                p.register_hook(partial(drop_stand_in, grads.carried, weakref.ref(p)))
+                for b in buckets for p in b.params]
 
     def _check_stage2(self) -> None:
         r = self.reducer
@@ -196,12 +198,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Step this rank's shards, then all-gather the parameters (every rank calls it).
 
         ``closure`` (optional) is called once, with gradients enabled, before the step; its
-        value is returned. Raises CollectiveTimeoutError if a rank does not arrive.
+        value is returned. A step with no synchronised backward since the previous one does
+        nothing and sends nothing, so a rank that skipped a backward is caught by the next
+        backward's step check on every rank (docs/failures.md). Raises CollectiveTimeoutError if
+        a rank does not arrive.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        synced = self.reducer._backward.steps.synced
+        if synced == self._stepped_at:
+            return loss
+        self._stepped_at = synced
         self._sync_hyperparameters()
         attach_grads(self._shards, self.stage)
         self.optim.step()
