@@ -14,14 +14,20 @@ import json
 import numbers
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from ._consistency import DebugLevel
 from ._env_flag import env_flag
 from ._mpi_abort import ABORT_ENV_VAR, install_abort_hook
 from .errors import BackendUnavailableError, CollectiveTimeoutError, brief
 from .launcher import launch_mismatch, started_by_mpi_launcher
 
-__all__ = ["agree_on_settings", "joins_agreement"]
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["agree_on_debug", "agree_on_settings", "joins_agreement"]
 
 #: Exception types another rank's init error is raised as here (by name); others: RuntimeError.
 _RAISED_AS: dict[str, type[Exception]] = {
@@ -150,11 +156,7 @@ def agree_on_settings(
         listed = "; ".join(f"rank {r}: {b}" for r, b in enumerate(backends[:8]))
         raise ValueError(f"the ranks chose different backends ({listed}); pass the same backend "
                          "or set the same GRADCOMM_BACKEND on every rank")
-    levels = [c[5] for c in chosen]
-    if len(set(levels)) > 1:  # a check on some ranks only would pair with real collectives
-        listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(levels[:8]))
-        raise ValueError(f"the ranks chose different debug levels ({listed}); pass the same "
-                         "debug or set the same GRADCOMM_DEBUG on every rank")
+    _check_debug_levels([c[5] for c in chosen])
     mismatch = launch_mismatch(  # an explicit rank=/world_size= that is not MPI's
         [(r, len(views), c[3], c[4]) for r, c in enumerate(chosen)], "explicit")
     if mismatch is not None:
@@ -165,3 +167,28 @@ def agree_on_settings(
         raise ValueError(f"the ranks chose different store addresses (MASTER_ADDR, MASTER_PORT; "
                          f"None: through MPI) ({listed}); set MASTER_ADDR and MASTER_PORT alike "
                          "on every rank, or on none")
+
+
+def _check_debug_levels(levels: list[str]) -> None:
+    if len(set(levels)) > 1:  # a check on some ranks only would pair with real collectives
+        listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(levels[:8]))
+        raise ValueError(f"the ranks chose different debug levels ({listed}); pass the same "
+                         "debug or set the same GRADCOMM_DEBUG on every rank")
+
+
+def agree_on_debug(comm: Communicator, level: DebugLevel) -> None:
+    """Compare the ranks' debug levels with one small all-gather on ``comm`` (a launch that
+    :func:`joins_agreement` compared them before the communicator existed). Call it on every
+    rank before ``comm.debug`` is set.
+
+    Raises:
+        ValueError: the levels differ (on every rank; ``comm`` is closed first).
+    """
+    members = list(DebugLevel)
+    mine = torch.tensor([members.index(level)], dtype=torch.int64, device=comm.device)
+    every = torch.empty(comm.world_size, dtype=torch.int64, device=comm.device)
+    comm.all_gather(every, mine)
+    levels = [members[i].value for i in every.tolist()]
+    if len(set(levels)) > 1:
+        comm.close()
+        _check_debug_levels(levels)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._agreement import agree_on_settings, joins_agreement
+from ._agreement import agree_on_debug, agree_on_settings, joins_agreement
 from ._consistency import DebugLevel, debug_level_from_env
 from ._env_flag import env_flag
 from ._mpi_abort import ABORT_ENV_VAR
@@ -258,6 +258,8 @@ def init(
         launch.launcher.value, seconds,
     )
     comm = create_communicator(choice.name, launch, seconds, device)
+    if launch.world_size > 1 and not joins_agreement(launch_env, world_size):
+        agree_on_debug(comm, level)  # a debug check on some ranks only would pair with data
     comm.debug = level
     logger.debug("init: created %r", comm)
     if profiling:

@@ -133,3 +133,24 @@ def test_a_rank_that_never_comes_is_a_timeout_of_the_check() -> None:
     assert out[1] == "absent"
     assert out[0] == ("consistency check before all_gather #0 of 2 torch.float32 on cpu (threads, "
                       "rank 0/2) did not complete within 1 s; a rank may have died or stalled")
+
+
+def _init_with_debug_on_rank_1(rank: int, world_size: int) -> str:
+    try:
+        gradcomm.init("gloo", timeout=30, debug="detail" if rank == 1 else None)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_debug_levels_that_differ_are_refused_by_init_on_every_rank_under_torchrun() -> None:
+    # Under an MPI launcher the settings check compares them (test_mpi_backend); a torchrun-style
+    # launch compares them on the new communicator, before any check could pair with data.
+    from dist_utils import run_processes
+
+    out = run_processes(_init_with_debug_on_rank_1, 2, timeout=90)
+    assert out == ["the ranks chose different debug levels (rank 0: off; rank 1: detail); pass "
+                   "the same debug or set the same GRADCOMM_DEBUG on every rank"] * 2
