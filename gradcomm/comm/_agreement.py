@@ -10,6 +10,7 @@ never arrives (it died, did not call ``init``, or built a process-local communic
 
 from __future__ import annotations
 
+import itertools
 import json
 import numbers
 import time
@@ -188,6 +189,7 @@ def agree_on_debug(comm: Communicator, level: DebugLevel) -> None:
     mine = torch.tensor([members.index(level)], dtype=torch.int64, device=comm.device)
     every = torch.empty(comm.world_size, dtype=torch.int64, device=comm.device)
     comm.all_gather(every, mine)
+    comm._seq = itertools.count()  # the user's first collective is still #1 in messages
     levels = [members[i].value for i in every.tolist()]
     if len(set(levels)) > 1:
         comm.close()
