@@ -73,12 +73,12 @@ def train(comm: gradcomm.Communicator, name: str, stage: int | None, steps: int,
           start: int = 0, state: Any = None, shard_state: Any = None, model_state: Any = None,
           after: Callable[[Any, nn.Module, int], None] | None = None,
           before_step: Callable[[nn.Module, int], None] | None = None,
-          zero_model: bool = False) -> tuple[nn.Module, Any]:
+          zero_model: bool = False, set_to_none: bool = True) -> tuple[nn.Module, Any]:
     """Train ``steps`` steps from ``start`` (loading a full ``state``, a ``shard_state`` of
     ``sharded_state_dict()``, a model state); ``stage`` None: the unsharded reference. Step 1
     accumulates two half batches under no_sync; an LR scheduler halves lr every 2 steps.
     ``before_step`` runs between backward and step; ``zero_model``: gradients are reset with
-    ``model.zero_grad()`` instead of the optimizer's."""
+    ``model.zero_grad()`` instead of the optimizer's; ``set_to_none`` is passed to it."""
     cls, kw = OPTIMS[name]
     model = Model()
     if model_state is not None:
@@ -115,9 +115,9 @@ def train(comm: gradcomm.Communicator, name: str, stage: int | None, steps: int,
         opt.step()
         sched.step()
         if zero_model:
-            model.zero_grad()
+            model.zero_grad(set_to_none)
         else:
-            opt.zero_grad()
+            opt.zero_grad(set_to_none)
         if after is not None:
             after(opt, model, step)
     reducer.remove()
@@ -193,16 +193,26 @@ def _drop_bias_grad(model: nn.Module, step: int) -> None:
         model.b.bias.grad = None  # type: ignore[union-attr]
 
 
+def _step_again(opt: Any, model: nn.Module, step: int) -> None:
+    """After step 2's zero_grad(set_to_none=False): one more step, without a backward."""
+    if step == 2:
+        opt.step()
+
+
 def grad_state_cases(comm: gradcomm.Communicator) -> list[str]:
     """``param.grad`` is the gradient state, as in torch: ``model.zero_grad()`` resets it (no
-    accumulation into the next step), and a gradient set to None after backward skips its
-    parameter's update; both stages equal the unsharded optimizer doing the same."""
+    accumulation into the next step), a gradient set to None after backward skips its
+    parameter's update, a zeroed one is stepped on; both stages equal the unsharded optimizer
+    doing the same."""
     done = []
     variants: list[tuple[str, dict[str, Any]]] = [
         ("model.zero_grad", {"zero_model": True}),
         ("grad=None", {"before_step": _drop_bias_grad}),
         ("views+model.zero_grad", {"zero_model": True,
                                    "reducer_opts": {"gradient_as_bucket_view": True}}),
+        # zeroed, not None: torch steps on zeros (AdamW's moments and weight decay still move)
+        ("zero_grad(set_to_none=False)", {"set_to_none": False}),
+        ("step on zeroed grads", {"set_to_none": False, "after": _step_again}),
     ]
     for what, kw in variants:
         want = params_of(train(comm, "adamw", None, 4, **kw)[0])

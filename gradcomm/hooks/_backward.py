@@ -330,7 +330,6 @@ class BackwardPass:
             if not failed_elsewhere and out_of_step is None:
                 write_back(self.buckets, self._spans, control, self.overlapping,
                            self.divide_by_initial_world_size, self.sink, grads)
-                self.steps.synced += 1
         except BaseException as exc:
             if isinstance(exc, RuntimeError):  # a launch or a wait failed in the transport
                 self.mark_failed(f"{type(exc).__name__}: {exc}")

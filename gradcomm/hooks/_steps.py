@@ -32,13 +32,12 @@ class StepState:
         enabled: the reducer's ``step_check`` option; False sends a constant (no check).
     """
 
-    __slots__ = ("enabled", "forwards", "joined", "synced")
+    __slots__ = ("enabled", "forwards", "joined")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.forwards = 0
         self.joined = False
-        self.synced = 0  # reduced backwards written back (a ShardedOptimizer steps after one)
 
     def value(self) -> float:
         """What this rank writes into its step slot: 0 when joined, else forwards + 1."""

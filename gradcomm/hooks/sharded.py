@@ -110,7 +110,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._shards = [BucketShard(b, self._comm.world_size, self._comm.rank) for b in buckets]
         self._grouped: set[int] = set()
         self._gather_buffers: list[torch.Tensor] = []
-        self._stepped_at = reducer._backward.steps.synced  # see step()
         super().__init__(list(reducer._params) if params is None else params, defaults)
         self.optim = optimizer_class(
             [self._local_group(g) for g in self.param_groups], **defaults)
@@ -198,19 +197,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Step this rank's shards, then all-gather the parameters (every rank calls it).
 
         ``closure`` (optional) is called once, with gradients enabled, before the step; its
-        value is returned. A step with no synchronised backward since the previous one does
-        nothing and sends nothing, so a rank that skipped a backward is caught by the next
-        backward's step check on every rank (docs/failures.md). Raises CollectiveTimeoutError if
-        a rank does not arrive.
+        value is returned. When no parameter has a ``.grad`` (torch's optimizers then change
+        nothing) it does nothing and sends nothing, so a rank that skipped a backward after
+        ``zero_grad()`` is caught by the next backward's step check on every rank
+        (docs/failures.md). Raises CollectiveTimeoutError if a rank does not arrive.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        synced = self.reducer._backward.steps.synced
-        if synced == self._stepped_at:
+        if all(p.grad is None for g in self.param_groups for p in g["params"]):
             return loss
-        self._stepped_at = synced
         self._sync_hyperparameters()
         attach_grads(self._shards, self.stage)
         self.optim.step()
@@ -219,11 +216,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: ``param.grad`` of every parameter in the groups, the shards'
-        gradients and (stage 2) the kept gradient shards."""
-        for p in self.reducer._params:
-            if type(p.grad) is ShardedGrad:
-                p.grad = None
+        gradients and (stage 2) the kept gradient shards. With ``set_to_none=False`` a stage-2
+        stand-in stays, as torch keeps a zeroed gradient: its kept shard is zeroed."""
+        stand_ins = [(p, p.grad) for p in self.reducer._params if type(p.grad) is ShardedGrad]
+        for p, _ in stand_ins:
+            p.grad = None  # torch's zero_grad would operate on it
         super().zero_grad(set_to_none)
+        for p, g in stand_ins if not set_to_none else ():
+            p.grad = g
         self.optim.zero_grad(set_to_none)
         for bs in self._shards:
             if bs.grad is not None:

@@ -37,7 +37,7 @@ def test_sharded_equals_unsharded(comm_runner: RankRunner, n: int) -> None:
     bad_inputs = comm_runner.backend != "gloo" or n == 2
     out = comm_runner(sc.sharded_cases, n, bad_inputs, timeout=300)
     assert all(len(o) == len(out[0]) for o in out), out
-    assert len(out[0]) == 10 + 6 + 2 + (6 if bad_inputs else 0), out[0]
+    assert len(out[0]) == 10 + 10 + 2 + (6 if bad_inputs else 0), out[0]
 
 
 def _save(comm: gradcomm.Communicator, folder: str) -> None:
