@@ -227,7 +227,7 @@ def grad_state_cases(comm: gradcomm.Communicator) -> list[str]:
 
 def skipped_backward_cases(comm: gradcomm.Communicator) -> list[str]:
     """Rank 1 skips the backward of step 1 but calls step() and zero_grad() as the others do:
-    its step() sends nothing (no synchronised backward since the last one), so the next
+    its step() finds every param.grad None after zero_grad() and sends nothing, so the next
     collectives pair backward with backward and every rank raises the step check's error."""
     done = []
     for stage in (1, 2):
@@ -294,7 +294,8 @@ def bad_input_cases(comm: gradcomm.Communicator) -> list[str]:
 
 
 def sharded_cases(comm: gradcomm.Communicator, bad_inputs: bool) -> list[str]:
-    """:func:`value_cases`, then :func:`bad_input_cases` if ``bad_inputs``: a case function for
-    ``ranks.RankRunner``; the names of the cases done."""
+    """:func:`value_cases`, :func:`grad_state_cases`, :func:`skipped_backward_cases`, then
+    :func:`bad_input_cases` if ``bad_inputs``: a case function for ``ranks.RankRunner``; the
+    names of the cases done."""
     return (value_cases(comm) + grad_state_cases(comm) + skipped_backward_cases(comm)
             + (bad_input_cases(comm) if bad_inputs else []))

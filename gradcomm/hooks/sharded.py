@@ -222,8 +222,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p, _ in stand_ins:
             p.grad = None  # torch's zero_grad would operate on it
         super().zero_grad(set_to_none)
-        for p, g in stand_ins if not set_to_none else ():
-            p.grad = g
+        if not set_to_none:
+            for p, g in stand_ins:
+                p.grad = g
         self.optim.zero_grad(set_to_none)
         for bs in self._shards:
             if bs.grad is not None:
