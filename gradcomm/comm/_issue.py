@@ -35,6 +35,9 @@ from .observer import CollectiveObserver
 from .types import Collective, ReduceOp, Support
 from .work import DescriptionLike, Work
 
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+
 __all__ = ["IssuePath"]
 
 
@@ -55,6 +58,8 @@ class IssuePath(GroupMember):
     _checks: TensorChecks
     _consistency: ConsistencyCheck
     _kinds: dict[tuple[torch.dtype, torch.device], TensorKind]
+    _plain_kinds: dict[torch.dtype, str]  # TensorChecks.plain
+    _on_cpu: bool  # the communicator's device is the CPU
     _cached_checks: bool  # world_size > 1, debug OFF, no backend tensor checks (DebugSetting)
 
     def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
@@ -90,15 +95,22 @@ class IssuePath(GroupMember):
         return None
 
     def _plain_tail(self, tensor: object) -> str | None:
-        """``tensor``'s description tail if it is a non-empty, dense, contiguous tensor without
-        a negative or conjugate bit (``plain`` returns it as it is) of a (dtype, device) that
-        :meth:`_check_tensor` passed before for every collective (reductions too); else None."""
-        if (isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided
-                and tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj()
-                and tensor.numel()):
-            kind = self._kinds.get((tensor.dtype, tensor.device))
-            if kind is not None and kind[0] is None:
-                return kind[2]
+        """``tensor``'s description tail if it is a plain ``torch.Tensor`` or ``Parameter`` (a
+        subclass may answer ``device`` and the rest its own way: general path) on this
+        communicator's device, non-empty, dense and contiguous, without a negative bit (``plain``
+        returns it as it is), of a real dtype that :meth:`_check_tensor` passed before for every
+        collective (reductions too); else None.
+
+        Each torch attribute read costs about a microsecond when a large transfer has just left
+        the caches cold, so the dtype is looked up alone and the device asked as ``is_cpu``."""
+        cls = tensor.__class__
+        if cls is _TENSOR or cls is _PARAMETER:
+            t: torch.Tensor = tensor  # type: ignore[assignment]  # narrowed by the class test
+            tail = self._plain_kinds.get(t.dtype)
+            if (tail is not None and (t.is_cpu if self._on_cpu else t.device == self._device)
+                    and t.layout is torch.strided and t.is_contiguous() and not t.is_neg()
+                    and t.numel()):
+                return tail
         return None
 
     def _chunks_fit(self, buffer: object, chunk: torch.Tensor) -> TypeGuard[torch.Tensor]:

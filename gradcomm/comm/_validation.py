@@ -179,7 +179,7 @@ class TensorChecks:
             (dtype, device) whether reductions of it are possible.
     """
 
-    __slots__ = ("_backend", "_device", "_group", "_supports", "kinds")
+    __slots__ = ("_backend", "_device", "_group", "_supports", "kinds", "plain")
 
     def __init__(
         self,
@@ -195,6 +195,10 @@ class TensorChecks:
         #: The verdicts so far: a hit costs one dict lookup. ``tensor.device.type`` alone costs a
         #: new str per read, which in a collective's common path is a visible share of its cost.
         self.kinds: dict[tuple[torch.dtype, torch.device], TensorKind] = {}
+        #: The description tails of the dtypes whose tensors on the communicator's own device
+        #: passed every check (reductions too): the short path's cache, read by dtype alone
+        #: (hashing a (dtype, device) key costs more than the rest of a lookup).
+        self.plain: dict[torch.dtype, str] = {}
 
     def check(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
         """Raise on a tensor the communicator cannot take; return its description tail.
@@ -239,4 +243,6 @@ class TensorChecks:
             if not support.is_supported:
                 error = TypeError
         kind = self.kinds[(dtype, device)] = (error, reason, tail)
+        if error is None and device == self._device and not dtype.is_complex:
+            self.plain[dtype] = tail  # real dtypes only: no conjugate bit to look for
         return kind

@@ -85,6 +85,8 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
         self._checks = TensorChecks(self.backend, self._device, f"rank {rank}/{world_size}",
                                     self._supports)
         self._kinds = self._checks.kinds  # the cache itself: one lookup less per call
+        self._plain_kinds = self._checks.plain
+        self._on_cpu = self._device.type == "cpu"
         self._consistency = ConsistencyCheck(self._all_gather, self._complete, world_size, device)
         self._plain_checks = type(self)._check_tensor is Communicator._check_tensor
         self.debug = DebugLevel.OFF  # sets _cached_checks
@@ -168,19 +170,10 @@ class Communicator(ShardOps, RootedOps, ObjectOps, PointToPoint, Splitting, Issu
                 elements share memory (``expand()``).
             RuntimeError: the communicator is closed.
         """
-        # The common call (SUM of a dense, contiguous tensor of a kind found reducible before,
-        # nothing closed, stalled or profiled) passes the checks of _checked_all_reduce read from
-        # their cache, without nested calls, which small collectives pay every call.
-        if (op is ReduceOp.SUM and self._cached_checks and async_op.__class__ is bool
-                and (label is None or label.__class__ is str) and self.profiler is None
-                and not self._closed and self._stalls.stalled is None
-                and isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided):
-            kind = self._kinds.get((tensor.dtype, tensor.device))
-            numel = tensor.numel()
-            if (kind is not None and kind[0] is None and numel and tensor.is_contiguous()
-                    and not tensor.is_neg()):
-                desc = Description("all_reduce", next(self._seq), numel, kind[2], op, label)
-                # _issue's steps without those that do nothing here (no profiler, no copy)
+        if op is ReduceOp.SUM and (label is None or label.__class__ is str):
+            tail = self._fast_tail(tensor, async_op)  # the short path: see _issue
+            if tail is not None:
+                desc = Description("all_reduce", next(self._seq), tensor.numel(), tail, op, label)
                 return self._complete(self._all_reduce(tensor, op, desc), async_op, tensor)
         return self._checked_all_reduce(tensor, op, async_op, label)
 

@@ -130,12 +130,14 @@ class Work(abc.ABC):
     _on_timeout: Callable[[Work], None] | None = None
     #: True while the callbacks run (a callback that adds one queues it behind the others).
     _running = False
+    #: True once the transport is done and the callbacks ran.
+    _done = False
+    #: The callbacks not run yet, oldest first (a list once one is added).
+    _callbacks: list[Callable[[], object]] | tuple[()] = ()
 
     def __init__(self, description: DescriptionLike, timeout: float | None) -> None:
         self._description = description
         self.timeout = timeout
-        self._done = False
-        self._callbacks: list[Callable[[], object]] = []
 
     @property
     def description(self) -> str:
@@ -192,7 +194,10 @@ class Work(abc.ABC):
         """
         if not callable(fn):
             raise TypeError(f"add_callback takes a callable, got {type(fn).__name__} {fn!r}")
-        self._callbacks.append(fn)
+        if self._callbacks:
+            self._callbacks.append(fn)
+        else:
+            self._callbacks = [fn]
         if self._done:
             with contextlib.suppress(Exception):  # kept in self._error: wait() raises it
                 self._run_callbacks()

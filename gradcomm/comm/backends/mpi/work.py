@@ -54,6 +54,10 @@ class MPIWork(Work):
     it until the request completes or the deadline passes, then raises :class:`TimeoutError`.
     """
 
+    #: A receive's expected size and the status that reports the size it got (None otherwise).
+    _expect_bytes: int | None = None
+    _status: MPI.Status | None = None
+
     def __init__(
         self,
         request: MPI.Request,
@@ -66,8 +70,9 @@ class MPIWork(Work):
     ) -> None:
         super().__init__(description, timeout)
         self._request = request
-        self._expect_bytes = expect_bytes
-        self._status = MPI.Status() if expect_bytes is not None else None
+        if expect_bytes is not None:  # a receive (the class defaults serve every collective)
+            self._expect_bytes = expect_bytes
+            self._status = MPI.Status()
         # None once the request completed: nothing needs to outlive it any more.
         self._keepalive: tuple[object, ...] | None = keepalive
         self._inflight = inflight
