@@ -108,7 +108,19 @@ def run_p2p_checks(comm: Communicator) -> int:
         w.wait()
     assert torch.equal(from_left, data(left, torch.float32))
     assert torch.equal(from_right, data(right, torch.float32, tag=3))
-    return checks + 2
+    # batch: two sends and two receives with one peer and one tag, interleaved; MPI posts the
+    # receives first, yet each kind keeps its order, so messages match in the order sent
+    first, second = torch.zeros(3, 5), torch.zeros(3, 5)
+    works = comm.batch_isend_irecv([
+        P2POp("send", data(r, torch.float32, tag=1), right, tag=5),
+        P2POp("recv", first, left, tag=5),
+        P2POp("send", data(r, torch.float32, tag=2), right, tag=5),
+        P2POp("recv", second, left, tag=5)])
+    for w in works:
+        w.wait()
+    assert torch.equal(first, data(left, torch.float32, tag=1)), first
+    assert torch.equal(second, data(left, torch.float32, tag=2)), second
+    return checks + 4
 
 
 def run_split_checks(comm: Communicator) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,9 +44,15 @@ class P2PKind(enum.Enum):
     RECV = "recv"
 
 
-@dataclass(frozen=True)
-class P2POp:
-    """One transfer for :meth:`PointToPoint.batch_isend_irecv` (torch's ``P2POp``).
+class _P2POpFields(NamedTuple):
+    op: P2PKind
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+
+class P2POp(_P2POpFields):
+    """One transfer for :meth:`PointToPoint.batch_isend_irecv` (torch's ``P2POp``); read-only.
 
     Args:
         op: ``"send"``/``"recv"``, a :class:`P2PKind`, or a communicator's ``send``/``recv``
@@ -57,26 +63,33 @@ class P2POp:
 
     Raises:
         ValueError: ``op`` names neither direction.
+
+    A named tuple, not a frozen dataclass: a ring exchange builds two per call, and a frozen
+    dataclass's constructor costs several microseconds (``benchmarks/call_overhead.py --op
+    sendrecv``).
     """
 
-    op: P2PKind | str | Callable[..., object]  # a P2PKind once constructed
-    tensor: torch.Tensor
-    peer: int
-    tag: int = 0
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "op", _kind(self.op))
+    def __new__(cls, op: P2PKind | str | Callable[..., object], tensor: torch.Tensor, peer: int,
+                tag: int = 0) -> P2POp:
+        return tuple.__new__(cls, (_kind(op), tensor, peer, tag))
+
+
+_KINDS = {"send": P2PKind.SEND, "isend": P2PKind.SEND, "recv": P2PKind.RECV,
+          "irecv": P2PKind.RECV}
 
 
 def _kind(op: object) -> P2PKind:
-    if isinstance(op, P2PKind):
+    """``op`` as a P2PKind: itself, or by its name (a string, or a send/recv method's)."""
+    if op.__class__ is P2PKind:
         return op
-    name = getattr(op, "__name__", op)  # a bound or unbound send/recv method
-    if name in ("send", "isend"):
-        return P2PKind.SEND
-    if name in ("recv", "irecv"):
-        return P2PKind.RECV
-    raise ValueError(f"P2POp op must be 'send', 'recv' or a communicator's send/recv, got {op!r}")
+    name = op if op.__class__ is str else getattr(op, "__name__", None)
+    kind = _KINDS.get(name) if name.__class__ is str else None
+    if kind is None:
+        raise ValueError(
+            f"P2POp op must be 'send', 'recv' or a communicator's send/recv, got {op!r}")
+    return kind
 
 
 def check_peer(peer: object, name: str, rank: int, world_size: int) -> int:
@@ -126,6 +139,11 @@ class PointToPoint(IssuePath):
             ValueError: ``dst`` out of range or this rank, tag out of range, wrong device.
             RuntimeError: the communicator is closed.
         """
+        tail = self._fast_tail(tensor, async_op)  # the short path: see _issue
+        if tail is not None and self._plain_peer(dst) and self._plain_tag(tag):
+            desc = Description("send", next(self._p2p_seq), tensor.numel(), tail,
+                               f"dst={dst} tag={tag}")
+            return self._complete(self._send(tensor, dst, tag, desc), async_op, None)
         return self._p2p(P2PKind.SEND, tensor, dst, tag, async_op)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, *,
@@ -147,6 +165,12 @@ class PointToPoint(IssuePath):
                 (gloo accepts a shorter message silently and aborts on a longer one; NCCL does
                 not check: see the module docstring).
         """
+        tail = self._fast_tail(tensor, async_op)  # the short path: see _issue
+        if tail is not None and self._plain_peer(src) and self._plain_tag(tag):
+            # a contiguous tensor has no two elements at one address: check_writable passes
+            desc = Description("recv", next(self._p2p_seq), tensor.numel(), tail,
+                               f"src={src} tag={tag}")
+            return self._complete(self._recv(tensor, src, tag, desc), async_op, tensor)
         return self._p2p(P2PKind.RECV, tensor, src, tag, async_op)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
@@ -162,13 +186,24 @@ class PointToPoint(IssuePath):
             ValueError: a bad op (as :meth:`send`/:meth:`recv`).
             RuntimeError: the communicator is closed.
         """
-        if not isinstance(ops, Sequence) or not all(isinstance(o, P2POp) for o in ops):
+        if not (ops.__class__ is list or isinstance(ops, Sequence)) or not all(
+                o.__class__ is P2POp or isinstance(o, P2POp) for o in ops):
             raise TypeError("batch_isend_irecv takes a list of P2POp")
         self._check_open()
-        prepared = [self._prepare_p2p(_kind(o.op), o.tensor, o.peer, o.tag) for o in ops]
+        prepared = [self._prepare_p2p(o.op, o.tensor, o.peer, o.tag) for o in ops]
         return self._post_batch(prepared)
 
     # ------------------------------------------------------------------ internals
+    def _plain_peer(self, peer: object) -> bool:
+        """Whether ``peer`` is an int rank other than this one (the short path's check_peer)."""
+        return peer.__class__ is int and 0 <= peer < self._world_size and (
+            peer != self._rank)
+
+    @staticmethod
+    def _plain_tag(tag: object) -> bool:
+        """Whether ``tag`` passes :func:`check_tag` (the short path's check)."""
+        return tag.__class__ is int and 0 <= tag < TAG_LIMIT
+
     def _p2p(self, kind: P2PKind, tensor: torch.Tensor, peer: int, tag: int,
              async_op: bool) -> Work:
         check_call_args(async_op)
@@ -179,12 +214,16 @@ class PointToPoint(IssuePath):
     def _prepare_p2p(self, kind: P2PKind, tensor: torch.Tensor, peer: int,
                      tag: int) -> Transfer:
         name = "dst" if kind is P2PKind.SEND else "src"
-        tail = self._check_tensor(tensor, kind.value, reduction=False)
-        check_peer(peer, name, self._rank, self._world_size)
-        check_tag(tag)
-        if kind is P2PKind.RECV:
-            check_writable(tensor, "recv")
-        buf = plain(tensor, kind.value if kind is P2PKind.RECV else None)
+        tail = self._fast_tail(tensor, False)  # the short path: see _issue
+        if tail is not None and self._plain_peer(peer) and self._plain_tag(tag):
+            buf = tensor  # contiguous, so also writable
+        else:
+            tail = self._check_tensor(tensor, kind.value, reduction=False)
+            check_peer(peer, name, self._rank, self._world_size)
+            check_tag(tag)
+            if kind is P2PKind.RECV:
+                check_writable(tensor, "recv")
+            buf = plain(tensor, kind.value if kind is P2PKind.RECV else None)
         # numbered apart from collectives: only two ranks see a transfer, and debug mode
         # compares the collective sequence numbers of every rank
         desc = Description(kind.value, next(self._p2p_seq), buf.numel(), tail,
@@ -213,9 +252,9 @@ class PointToPoint(IssuePath):
         raise NotImplementedError(f"the {self.backend} backend has no recv")
 
 
-@dataclass
-class Transfer:
-    """A checked transfer: the caller's tensor, the contiguous buffer the transport uses."""
+class Transfer(NamedTuple):
+    """A checked transfer: the caller's tensor, the contiguous buffer the transport uses (a
+    named tuple: cheaper to build than a dataclass, two per ring exchange)."""
 
     kind: P2PKind
     tensor: torch.Tensor

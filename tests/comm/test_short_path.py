@@ -1,6 +1,7 @@
 """The collectives' short path (gradcomm/comm/_issue.py) against their general path.
 
-A collective's common call skips the general checks once its tensors' (dtype, device) is cached.
+A collective's or transfer's common call skips the general checks once its tensors' dtype is
+cached.
 These tests make the same calls on a fresh communicator (nothing cached: the general path) and on
 one warmed by good calls of every collective (cached: the short path where it applies), on thread
 ranks, and compare what they raise and return; then that the profiler and debug mode still see
@@ -15,7 +16,7 @@ import pytest
 import torch
 from ranks import RankRunner
 
-from gradcomm.comm import Communicator, ReduceOp
+from gradcomm.comm import Communicator, P2POp, ReduceOp
 from gradcomm.comm.backends._threads import ThreadGroup
 
 Call = Callable[[Communicator], object]
@@ -33,12 +34,24 @@ def _rooted_and_shard_ops(comm: Communicator, big: torch.Tensor, small: torch.Te
     comm.scatter(small, big if comm.rank == 0 else None, 0)
 
 
+def _transfers(comm: Communicator, sent: torch.Tensor, got: torch.Tensor) -> None:
+    """A send/recv exchange with the other rank (2 ranks), then the same as one batch."""
+    peer = 1 - comm.rank
+    work = comm.recv(got, peer, async_op=True)
+    comm.send(sent, peer)
+    work.wait()
+    for w in comm.batch_isend_irecv([P2POp("send", sent, peer), P2POp("recv", got, peer)]):
+        w.wait()
+
+
 def _warm(comm: Communicator) -> None:
-    """One good call of each collective on float32 and int64: their kinds are then cached."""
+    """One good call of each collective and transfer on float32 and int64: their kinds are then
+    cached."""
     for dtype in (torch.float32, torch.int64):
         big, small = torch.ones(4, dtype=dtype), torch.ones(2, dtype=dtype)
         comm.all_reduce(small)
         _rooted_and_shard_ops(comm, big, small)
+        _transfers(comm, big, big.clone())
 
 
 def _bad_calls() -> list[Call]:
@@ -74,6 +87,19 @@ def _bad_calls() -> list[Call]:
         lambda c: c.gather(f, h, 0, async_op=None),
         lambda c: c.scatter(h, f, -2),
         lambda c: c.scatter(wide, f, 0),
+        lambda c: c.send(f, c.rank),
+        lambda c: c.send(f, 2),
+        lambda c: c.send(f, True),
+        lambda c: c.send(f, 1 - c.rank, tag=-1),
+        lambda c: c.send(f, 1 - c.rank, tag=1 << 15),
+        lambda c: c.send(f, 1 - c.rank, tag=1.0),
+        lambda c: c.send(f, 1 - c.rank, async_op="no"),
+        lambda c: c.recv(wide, 1 - c.rank),
+        lambda c: c.recv(f, c.rank),
+        lambda c: c.recv(f, 1 - c.rank, tag=False),
+        lambda c: c.batch_isend_irecv([P2POp("send", f, 1 - c.rank), P2POp("recv", f, c.rank)]),
+        lambda c: c.batch_isend_irecv([P2POp("recv", wide, 1 - c.rank)]),
+        lambda c: c.batch_isend_irecv((P2POp("send", f, 1 - c.rank), f)),
     ]
 
 
@@ -111,10 +137,12 @@ def test_calls_on_a_closed_communicator_raise_after_the_kinds_are_cached() -> No
             lambda c: c.broadcast(f, 0), lambda c: c.all_gather(f, h),
             lambda c: c.reduce_scatter(h, f), lambda c: c.all_to_all(f.clone(), f),
             lambda c: c.reduce(f, 0), lambda c: c.gather(f, h, 1), lambda c: c.scatter(h, f, 1),
+            lambda c: c.send(f, 1 - c.rank), lambda c: c.recv(f, 1 - c.rank),
+            lambda c: c.batch_isend_irecv([P2POp("send", f, 1 - c.rank)]),
         ])
 
     for outcomes in ThreadGroup(2).run(run):
-        assert outcomes == [("RuntimeError", "threads communicator is closed")] * 7
+        assert outcomes == [("RuntimeError", "threads communicator is closed")] * 10
 
 
 def awkward_calls(comm: Communicator) -> dict[str, list[float]]:
@@ -152,6 +180,12 @@ def awkward_calls(comm: Communicator) -> dict[str, list[float]]:
     sc = torch.zeros(4, 2)[:, 0][:2]
     comm.scatter(sc, torch.arange(4.0) if comm.rank == 0 else None, 0)
     got["scatter strided"] = sc.tolist()
+    into = torch.zeros(4, 2)[:, 1]  # a non-contiguous receive buffer
+    _transfers(comm, torch.full((4, 2), r)[:, 0], into)  # and a non-contiguous send
+    got["transfers strided"] = into.tolist()
+    neg_into = torch.zeros(4)
+    _transfers(comm, torch.full((4,), r, dtype=torch.complex64).conj().imag, neg_into)
+    got["transfers neg"] = neg_into.tolist()
     return got
 
 
@@ -169,6 +203,8 @@ def test_awkward_tensors_after_the_kinds_are_cached_give_the_right_results(
     assert first["reduce strided"] == [3, 3, 3, 3]
     assert first["gather overlap"] == [1, 1, 2, 2]
     assert first["scatter strided"] == [0, 1] and second["scatter strided"] == [2, 3]
+    assert first["transfers strided"] == [2.0] * 4 and second["transfers strided"] == [1.0] * 4
+    assert first["transfers neg"] == second["transfers neg"] == [-0.0] * 4
 
 
 def test_profiler_and_debug_see_calls_made_after_the_kinds_are_cached() -> None:
@@ -179,6 +215,7 @@ def test_profiler_and_debug_see_calls_made_after_the_kinds_are_cached() -> None:
         prof = Profiler(comm).attach()
         f = torch.ones(4)
         _rooted_and_shard_ops(comm, f, torch.ones(2))
+        _transfers(comm, f, f.clone())
         prof.detach()
         comm.debug = "detail"
         with pytest.raises(RuntimeError) as info:
@@ -186,8 +223,9 @@ def test_profiler_and_debug_see_calls_made_after_the_kinds_are_cached() -> None:
         return [r.op for r in prof.records], str(info.value)
 
     for ops, error in ThreadGroup(2).run(run):
-        assert ops == ["broadcast", "all_gather", "reduce_scatter", "all_to_all", "reduce",
-                       "gather", "scatter"]
+        assert ops[:7] == ["broadcast", "all_gather", "reduce_scatter", "all_to_all", "reduce",
+                           "gather", "scatter"]
+        assert sorted(ops[7:]) == ["recv", "recv", "send", "send"]
         assert "first difference in root" in error
 
 
@@ -208,6 +246,9 @@ def test_good_calls_take_the_short_path_once_the_kinds_are_cached() -> None:
         comm.reduce(f, 0, ReduceOp.MAX)
         comm.gather(f if comm.rank == 0 else None, h, 0)
         comm.scatter(h, f if comm.rank == 0 else None, 0)
-        return h.tolist()
+        got = torch.zeros(2)
+        _transfers(comm, torch.full((2,), float(comm.rank)), got)
+        return h.tolist() + got.tolist()
 
-    assert ThreadGroup(2).run(run) == [[2.0, 2.0], [2.0, 2.0]]  # gathered, scattered back
+    # gathered and scattered back; the other rank's values
+    assert ThreadGroup(2).run(run) == [[2.0, 2.0, 1.0, 1.0], [2.0, 2.0, 0.0, 0.0]]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from mpi4py import MPI
 
+from ..._p2p import P2PKind, Transfer
 from ..._split import SplitPlan
 from ...communicator import Communicator
 from ...launcher import Launcher, LaunchInfo
@@ -28,6 +29,7 @@ class MPIGroupOps:
     if TYPE_CHECKING:  # provided by MPICommunicator
         device: torch.device
         _timeout: float | None
+        _comm: MPIModule.Intracomm | None
         _inflight: list[MPIWork]
         _adapter: Any
         _cuda_aware: bool
@@ -38,23 +40,45 @@ class MPIGroupOps:
         def _prepare(self, wire: torch.Tensor, *, read: bool = True,
                      write: bool = True) -> tuple[object, Callable[[], None] | None]: ...
         def _attach(self, launch: LaunchInfo, comm: MPIModule.Comm) -> None: ...
+        def _post_one(self, p: Transfer, async_op: bool) -> Work: ...
 
     # ------------------------------------------------------------------ point-to-point
+    # A transfer is posted without first driving the oldest pending work, as collectives are
+    # (_live_comm): a receive posted before a send would then complete first -- the whole copy
+    # inside that Test() -- while the peer waits for the send, which serialises a ring
+    # exchange's two transfers (benchmarks/call_overhead.py --op sendrecv).
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
         wire = self._wire(tensor)
         buf, _ = self._prepare(wire, write=False)  # staged in (device), nothing to copy back
-        return MPIWork(self._live_comm().Isend([buf, MPI.BYTE], dst, tag), description,
+        return MPIWork(self._open_comm().Isend([buf, MPI.BYTE], dst, tag), description,
                        self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight)
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
         wire = self._wire(tensor)
         buf, finish = self._prepare(wire, read=False)
-        work = MPIWork(self._live_comm().Irecv([buf, MPI.BYTE], src, tag), description,
+        work = MPIWork(self._open_comm().Irecv([buf, MPI.BYTE], src, tag), description,
                        self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight,
                        expect_bytes=wire.nbytes)
         if finish is not None:
             work.add_callback(finish)
         return work
+
+    def _post_batch(self, prepared: list[Transfer]) -> list[Work]:
+        """Post the receives, then the sends (each kind in the list's order, so tags still
+        match in order): a peer's send then finds its receive posted, and its data moves
+        without waiting for this rank's next post."""
+        works: list[Work | None] = [None] * len(prepared)
+        for kind in (P2PKind.RECV, P2PKind.SEND):
+            for i, p in enumerate(prepared):
+                if p.kind is kind:
+                    works[i] = self._post_one(p, True)
+        return [w for w in works if w is not None]
+
+    def _open_comm(self) -> MPIModule.Intracomm:
+        """The communicator, without driving pending works (RuntimeError once closed)."""
+        if self._comm is None:
+            raise RuntimeError("mpi communicator is closed")
+        return self._comm
 
     # ------------------------------------------------------------------ sub-communicators
     def _split_child(self, plan: SplitPlan) -> Communicator | None:
