@@ -15,7 +15,11 @@ median over calls of the max over ranks. Kinds:
   is the cost of gradcomm's layer alone; ``wait`` = the same call + ``Wait()`` (MPICH's, which
   for messages of a few MiB was at times slower than polling here); ``blocking`` = the blocking
   call ``python -m gradcomm.bench`` takes as its raw column (``Allreduce``, ...), for which MPICH
-  may pick another algorithm.
+  may pick another algorithm; ``floor`` = ``raw`` after :func:`probe` of each tensor, the fewest
+  torch reads with which any Python layer can validate the call: ``floor / raw`` is the least
+  overhead such a layer can have. ``--op sendrecv`` is the bench's ring (send to ``rank + 1``,
+  receive from ``rank - 1``): gradcomm's ``batch_isend_irecv`` of two ``P2POp`` and their waits;
+  ``raw`` ``Isend`` and ``Irecv`` polled with ``Testall``; ``blocking`` ``Sendrecv``.
 
 Sizes follow the bench: ``--bytes`` is the larger buffer of one rank (the input of reduce_scatter
 and scatter's root, the output of all_gather and gather's root, the buffer of the others), float32.
@@ -71,9 +75,20 @@ def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls:
     return out
 
 
-#: The collectives ``--op`` takes on mpi (gloo: all_reduce only).
+#: The collectives ``--op`` takes on mpi (gloo: all_reduce only); sendrecv is the bench's ring.
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce",
-       "gather", "scatter")
+       "gather", "scatter", "sendrecv")
+
+_PROBED_DTYPES = {torch.float32: "float32"}
+
+
+def probe(t: torch.Tensor) -> object:
+    """The reads of ``t`` that any Python layer must make before handing it to MPI: its class
+    (a subclass may answer the rest its own way), dtype (looked up in a dict), device,
+    layout, contiguity, negative bit, size and address -- one torch call each, no more."""
+    return (t.__class__ is torch.Tensor and _PROBED_DTYPES.get(t.dtype) is not None
+            and t.is_cpu and t.layout is torch.strided and t.is_contiguous()
+            and not t.is_neg() and t.nbytes and t.data_ptr())
 
 
 def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int) -> dict[str, Callable[[], object]]:
@@ -82,12 +97,14 @@ def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int) -> dict[str, Callable[[
     ``MPI.Comm`` ``raw``."""
     from mpi4py import MPI
 
+    from gradcomm.comm import P2POp
+
     n, root = comm.world_size, comm.rank == 0
     count = nbytes // 4
     chunk = count // n
-    if op in ("all_reduce", "broadcast", "reduce", "all_to_all"):
+    if op in ("all_reduce", "broadcast", "reduce", "all_to_all", "sendrecv"):
         big = torch.zeros(count)
-        other = torch.zeros(count) if op == "all_to_all" else big
+        other = torch.zeros(count) if op in ("all_to_all", "sendrecv") else big
     else:
         big, other = torch.zeros(chunk * n), torch.zeros(chunk)
     b, o = big.numpy(), other.numpy()
@@ -113,14 +130,45 @@ def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int) -> dict[str, Callable[[
         "scatter": (lambda: comm.scatter(other, big if root else None, 0),
                     lambda: raw.Iscatter(rb, o, 0), lambda: raw.Scatter(rb, o, 0)),
     }
+    right, left = (comm.rank + 1) % n, (comm.rank - 1) % n
+
+    def ring() -> list[Any]:
+        return [raw.Isend(b, right), raw.Irecv(o, left)]
+
+    calls["sendrecv"] = (
+        lambda: [w.wait() for w in comm.batch_isend_irecv(
+            [P2POp("send", big, right), P2POp("recv", other, left)])],
+        ring, lambda: raw.Sendrecv(b, right, recvbuf=o, source=left))
     ours, post, blocking = calls[op]
+    if other is big:
+        probed: tuple[torch.Tensor, ...] = (big,)
+    elif root or op not in ("gather", "scatter"):
+        probed = (big, other)
+    else:
+        probed = (other,)  # the root's buffer is None elsewhere
 
     def polled() -> None:
         request = post()
+        if isinstance(request, list):  # sendrecv's pair
+            while not MPI.Request.Testall(request):
+                pass
+            return
         while not request.Test():  # as gradcomm's wait polls, without its layer
             pass
 
-    return {"comm": ours, "raw": polled, "wait": lambda: post().Wait(), "blocking": blocking}
+    def floor() -> None:
+        for t in probed:
+            probe(t)
+        polled()
+
+    def waited() -> None:
+        request = post()
+        if isinstance(request, list):
+            MPI.Request.Waitall(request)
+        else:
+            request.Wait()
+
+    return {"comm": ours, "raw": polled, "floor": floor, "wait": waited, "blocking": blocking}
 
 
 def main() -> None:
@@ -182,14 +230,17 @@ def main() -> None:
             print(f"  {k:<8} {row['median_us']:8.1f} {row['p25_us']:8.1f}")
         overhead = kinds_us["comm"]["median_us"] - kinds_us["raw"]["median_us"]
         ratio = kinds_us["comm"]["median_us"] / kinds_us["raw"]["median_us"]
-        print(f"  comm - raw: {overhead:+.1f} us, comm / raw: {ratio:.3f}", flush=True)
+        floor = kinds_us["floor"]["median_us"] / kinds_us["raw"]["median_us"] if (
+            "floor" in kinds_us) else None
+        print(f"  comm - raw: {overhead:+.1f} us, comm / raw: {ratio:.3f}"
+              + ("" if floor is None else f", floor / raw: {floor:.3f}"), flush=True)
         if args.json is not None:
             meta.update({"tool": "benchmarks/call_overhead.py", "world_size": world.Get_size(),
                          "backend": args.backend, "op": op, "bytes": args.bytes,
                          "calls": args.calls, "time": "median over calls of the max over ranks",
                          "loadavg_end": list(os.getloadavg())})
             doc = {"meta": meta, "kinds": kinds_us, "overhead_us": overhead,
-                   "overhead_ratio": ratio}
+                   "overhead_ratio": ratio, "floor_ratio": floor}
             args.json.write_text(json.dumps(doc, indent=1) + "\n")
             print(f"wrote {args.json}")
     comm.close()

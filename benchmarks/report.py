@@ -171,8 +171,10 @@ def call_overhead_table(doc: dict[str, Any]) -> list[str]:
     ]
     out += [f"| {kind} | {v['median_us']:.1f} | {v['p25_us']:.1f} |"
             for kind, v in doc["kinds"].items()]
-    out += ["", f"- comm - raw: {doc['overhead_us']:+.1f} us (ratio {doc['overhead_ratio']:.3f})",
-            ""]
+    out += ["", f"- comm - raw: {doc['overhead_us']:+.1f} us (ratio {doc['overhead_ratio']:.3f})"]
+    if doc.get("floor_ratio") is not None:
+        out.append(f"- floor / raw (the least a Python layer can add): {doc['floor_ratio']:.3f}")
+    out.append("")
     return out
 
 
