@@ -234,10 +234,32 @@ def _mpi_checks(comm: Communicator) -> int:
     if comm.world_size > 1:
         if comm.rank == 0:
             comm.send(torch.zeros(3), 1)
+            comm.send(torch.zeros(8), 1)
         elif comm.rank == 1:
             work = comm.recv(torch.zeros(4), 0, async_op=True)
             expect_error(RuntimeError, work.wait, "received 12 bytes")
-        checks += 1
+            expect_error(RuntimeError, work.wait, "received 12 bytes")  # every time
+            longer = comm.recv(torch.zeros(4), 0, async_op=True)  # MPI's truncation error
+            expect_error(RuntimeError, longer.wait, "recv #")
+            expect_error(RuntimeError, longer.wait, "recv #")
+        # the failed receives raise from their own wait only: the next collective runs on
+        # every rank (raised by it on rank 1 alone, the others would wait for it)
+        t = torch.ones(2)
+        comm.all_reduce(t)
+        assert t.tolist() == [comm.world_size] * 2, t
+        # sends whose works are dropped are released as later transfers go on
+        inflight: list[object] = comm._inflight  # type: ignore[attr-defined]
+        for i in range(40):
+            if comm.rank == 0:
+                comm.send(torch.full((64,), float(i)), 1, async_op=True)
+            elif comm.rank == 1:
+                got = torch.zeros(64)
+                comm.recv(got, 0)
+                assert got[0].item() == i
+        if comm.rank == 0:
+            assert len(inflight) <= 4, len(inflight)
+        comm.barrier()
+        checks += 4
     for adapter in device_adapters():
         comm._adapter = adapter  # type: ignore[attr-defined]
         checks += run_p2p_checks(comm)

@@ -316,24 +316,28 @@ class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
     # ------------------------------------------------------------------ helpers
     def _live_comm(self) -> MPIModule.Intracomm:
         if self._inflight:
-            # Drives the oldest pending collective, which may be one whose Work was dropped: it
-            # completes (its callbacks run) and leaves the list, freeing its buffers.
-            oldest = self._inflight[0]
-            try:
-                oldest.is_completed()
-            except Exception as exc:
-                if oldest.callback_error is not exc:  # the transport failed, not a callback
-                    raise
-                # A completion step of that earlier collective failed (e.g. a copy-back into a
-                # tensor that was given other memory meanwhile). Raised here, before this
-                # collective is posted, it would make this rank alone skip a collective the
-                # others post; it stays on that Work, whose wait() raises it.
-                logger.warning("%s: its completion step failed (%s: %s); raised by its wait(), "
-                               "not by this collective", oldest.description,
-                               type(exc).__name__, exc)
+            self._drive_oldest()
         if self._comm is None:
             raise RuntimeError("mpi communicator is closed")
         return self._comm
+
+    def _drive_oldest(self) -> None:
+        """Test the oldest pending work once: one whose Work was dropped then completes (its
+        callbacks run) and leaves the list, freeing its buffers."""
+        oldest = self._inflight[0]
+        try:
+            oldest.is_completed()
+        except Exception as exc:
+            if self._inflight and self._inflight[0] is oldest:
+                raise  # still pending and its transport fails: nothing can be posted behind it
+            # It completed wrongly (a receive of another size) or a completion step failed
+            # (e.g. a copy-back into a tensor given other memory meanwhile). Raised here, before
+            # this rank's next post, it would make this rank alone skip a collective the others
+            # post; it stays on that Work, whose wait() raises it.
+            what = ("its completion step failed" if oldest.callback_error is exc
+                    else "it completed with an error")
+            logger.warning("%s: %s (%s: %s); raised by its wait(), not by this call",
+                           oldest.description, what, type(exc).__name__, exc)
 
     def _work(
         self,

@@ -41,17 +41,23 @@ class MPIGroupOps:
                      write: bool = True) -> tuple[object, Callable[[], None] | None]: ...
         def _attach(self, launch: LaunchInfo, comm: MPIModule.Comm) -> None: ...
         def _post_one(self, p: Transfer, async_op: bool) -> Work: ...
+        def _drive_oldest(self) -> None: ...
 
     # ------------------------------------------------------------------ point-to-point
-    # A transfer is posted without first driving the oldest pending work, as collectives are
-    # (_live_comm): a receive posted before a send would then complete first -- the whole copy
-    # inside that Test() -- while the peer waits for the send, which serialises a ring
-    # exchange's two transfers (benchmarks/call_overhead.py --op sendrecv).
+    # A transfer is posted before the oldest pending work is driven, not after as for the
+    # collectives (_live_comm): a pending receive driven first could make its whole copy inside
+    # that Test() while the peer waits for this rank's next send, which serialises a ring
+    # exchange's two transfers (benchmarks/call_overhead.py --op sendrecv). Inside a batch
+    # nothing is driven until every transfer is posted.
+    _batching = False
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
         wire = self._wire(tensor)
         buf, _ = self._prepare(wire, write=False)  # staged in (device), nothing to copy back
-        return MPIWork(self._open_comm().Isend([buf, MPI.BYTE], dst, tag), description,
+        work = MPIWork(self._open_comm().Isend([buf, MPI.BYTE], dst, tag), description,
                        self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight)
+        self._drive_older(work)
+        return work
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
         wire = self._wire(tensor)
@@ -61,18 +67,33 @@ class MPIGroupOps:
                        expect_bytes=wire.nbytes)
         if finish is not None:
             work.add_callback(finish)
+        self._drive_older(work)
         return work
 
     def _post_batch(self, prepared: list[Transfer]) -> list[Work]:
         """Post the receives, then the sends (each kind in the list's order, so tags still
         match in order): a peer's send then finds its receive posted, and its data moves
-        without waiting for this rank's next post."""
+        without waiting for this rank's next post. Then drive the oldest pending work if it is
+        older than the batch."""
         works: list[Work | None] = [None] * len(prepared)
-        for kind in (P2PKind.RECV, P2PKind.SEND):
-            for i, p in enumerate(prepared):
-                if p.kind is kind:
-                    works[i] = self._post_one(p, True)
+        older = self._inflight[0] if self._inflight else None
+        self._batching = True
+        try:
+            for kind in (P2PKind.RECV, P2PKind.SEND):
+                for i, p in enumerate(prepared):
+                    if p.kind is kind:
+                        works[i] = self._post_one(p, True)
+        finally:
+            self._batching = False
+        if older is not None and self._inflight and self._inflight[0] is older:
+            self._drive_oldest()
         return [w for w in works if w is not None]
+
+    def _drive_older(self, work: MPIWork) -> None:
+        """Drive the oldest pending work if it is older than the just-posted ``work`` (outside a
+        batch), so works the caller dropped are released as transfers go on."""
+        if not self._batching and self._inflight and self._inflight[0] is not work:
+            self._drive_oldest()
 
     def _open_comm(self) -> MPIModule.Intracomm:
         """The communicator, without driving pending works (RuntimeError once closed)."""

@@ -57,6 +57,9 @@ class MPIWork(Work):
     #: A receive's expected size and the status that reports the size it got (None otherwise).
     _expect_bytes: int | None = None
     _status: MPI.Status | None = None
+    #: The error of a request that completed wrongly (a receive of another size): raised by
+    #: every later wait() and is_completed(), since MPI no longer knows the request.
+    _failure: RuntimeError | None = None
 
     def __init__(
         self,
@@ -89,16 +92,42 @@ class MPIWork(Work):
         if status is not None:  # a receive: MPI accepts a shorter message without an error
             got = status.Get_count(MPI.BYTE)
             if got != self._expect_bytes:
-                raise RuntimeError(f"{self.description}: received {got} bytes, the buffer "
-                                   f"holds {self._expect_bytes}")
+                self._failure = RuntimeError(f"{self.description}: received {got} bytes, the "
+                                             f"buffer holds {self._expect_bytes}")
+                raise self._failure
+
+    def _failed(self, exc: MPI.Exception) -> RuntimeError:
+        """The request completed with an MPI error (e.g. a message longer than the buffer):
+        release it, and keep the error for every later wait."""
+        # the error class's text ("Message truncated"); str(exc) adds MPICH's whole error stack
+        self._failure = RuntimeError(
+            f"{self.description}: {MPI.Get_error_string(exc.Get_error_class())}")
+        self._status = None  # no size to check
+        self._release()
+        return self._failure
 
     def _test(self) -> bool:
-        if self._request.Test(self._status):
+        if self._failure is not None:
+            raise self._failure
+        try:
+            done = self._request.Test(self._status)
+        except MPI.Exception as exc:
+            raise self._failed(exc) from exc
+        if done:
             self._release()
-            return True
-        return False
+        return done
 
     def _wait(self, timeout: float | None) -> None:
+        if self._failure is not None:
+            raise self._failure
+        try:
+            self._poll(timeout)
+        except MPI.Exception as exc:
+            raise self._failed(exc) from exc
+
+    def _poll(self, timeout: float | None) -> None:
+        """Call Test() until the request completes (see the module docstring for the schedule);
+        TimeoutError after ``timeout`` seconds."""
         status, request = self._status, self._request
         if request.Test(status):  # often done by now: no clock, no polling loop
             self._release()
