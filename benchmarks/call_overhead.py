@@ -92,9 +92,9 @@ def probe(t: torch.Tensor) -> object:
 
 
 def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int) -> dict[str, Callable[[], object]]:
-    """The ``comm``, ``raw`` (non-blocking + Wait) and ``blocking`` calls of ``op`` on float32
-    buffers of ``nbytes`` (the larger buffer of one rank), on gradcomm's ``comm`` and the
-    ``MPI.Comm`` ``raw``."""
+    """The ``comm``, ``raw`` (non-blocking, polled with Test), ``floor``, ``wait`` (non-blocking
+    + Wait) and ``blocking`` calls of ``op`` on float32 buffers of ``nbytes`` (the larger buffer
+    of one rank), on gradcomm's ``comm`` and the ``MPI.Comm`` ``raw``."""
     from mpi4py import MPI
 
     from gradcomm.comm import P2POp

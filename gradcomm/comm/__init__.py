@@ -6,7 +6,7 @@ cross-rank check of every collective (``GRADCOMM_DEBUG``).
 """
 
 from ._consistency import DebugLevel
-from ._p2p import P2POp
+from ._p2p import P2PKind, P2POp
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
 from .hierarchical import HierarchicalAllReduce
@@ -20,6 +20,7 @@ __all__ = [
     "Communicator",
     "Work",
     "P2POp",
+    "P2PKind",
     "HierarchicalAllReduce",
     "ReduceOp",
     "Collective",

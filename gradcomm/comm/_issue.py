@@ -10,10 +10,11 @@ completion, binds the :class:`~gradcomm.comm.Work` to the stall guard
 (:mod:`~gradcomm.comm._stalls`) and waits unless ``async_op``.
 
 The short path: the common call -- nothing closed, stalled, profiled or compared across ranks,
-non-empty contiguous tensors of a (dtype, device) checked before -- passes every check and needs
-no copy, so a collective may call its hook and :meth:`IssuePath._complete` directly once
-:meth:`IssuePath._fast_tail` and :meth:`IssuePath._plain_tail` have vouched for its tensors and
-its own cheap checks (root, sizes: :meth:`IssuePath._chunks_fit`) pass. Every other call takes
+non-empty contiguous plain tensors on the communicator's device, of a dtype checked before --
+passes every check and needs no copy, so a collective or transfer may call its hook and
+:meth:`IssuePath._complete` directly once :meth:`IssuePath._fast_tail` and
+:meth:`IssuePath._plain_tail` have vouched for its tensors and its own cheap checks (root, peer,
+tag, sizes: :meth:`IssuePath._chunks_fit`) pass. Every other call takes
 the general path, which raises what it raises. With a transport call of tens of microseconds
 (MPI on 1 MiB) the ten or so nested checks of the general path are a visible share of the call.
 """

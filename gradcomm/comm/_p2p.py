@@ -75,6 +75,11 @@ class P2POp(_P2POpFields):
                 tag: int = 0) -> P2POp:
         return tuple.__new__(cls, (_kind(op), tensor, peer, tag))
 
+    # Compared and hashed by identity, as torch's P2POp: a tuple's == would compare tensors.
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
 
 _KINDS = {"send": P2PKind.SEND, "isend": P2PKind.SEND, "recv": P2PKind.RECV,
           "irecv": P2PKind.RECV}
@@ -84,8 +89,9 @@ def _kind(op: object) -> P2PKind:
     """``op`` as a P2PKind: itself, or by its name (a string, or a send/recv method's)."""
     if op.__class__ is P2PKind:
         return op
-    name = op if op.__class__ is str else getattr(op, "__name__", None)
-    kind = _KINDS.get(name) if name.__class__ is str else None
+    # the text of a str subclass too (numpy's str_, a str-valued enum member)
+    name = str.__str__(op) if isinstance(op, str) else getattr(op, "__name__", None)
+    kind = _KINDS.get(name) if isinstance(name, str) else None
     if kind is None:
         raise ValueError(
             f"P2POp op must be 'send', 'recv' or a communicator's send/recv, got {op!r}")
@@ -190,7 +196,8 @@ class PointToPoint(IssuePath):
                 o.__class__ is P2POp or isinstance(o, P2POp) for o in ops):
             raise TypeError("batch_isend_irecv takes a list of P2POp")
         self._check_open()
-        prepared = [self._prepare_p2p(o.op, o.tensor, o.peer, o.tag) for o in ops]
+        # _kind again: a named tuple's _replace() and _make() do not convert op
+        prepared = [self._prepare_p2p(_kind(o.op), o.tensor, o.peer, o.tag) for o in ops]
         return self._post_batch(prepared)
 
     # ------------------------------------------------------------------ internals

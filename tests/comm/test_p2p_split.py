@@ -58,3 +58,39 @@ def test_profiler_records_send_and_recv_and_a_child_has_its_own() -> None:
         return sorted((r.op, r.bytes) for r in prof.records if r.op in ("send", "recv"))
 
     assert ThreadGroup(2, timeout=20).run(body) == [[("recv", 32), ("send", 32)]] * 2
+
+
+def test_p2pop_converts_op_and_compares_by_identity() -> None:
+    import enum
+
+    import numpy as np
+
+    from gradcomm.comm import P2PKind, P2POp
+
+    class Direction(str, enum.Enum):
+        SEND = "send"
+
+    t = torch.zeros(2)
+    assert P2POp("recv", t, 1).op is P2PKind.RECV and P2POp("send", t, 1).tag == 0
+    assert P2POp(np.str_("send"), t, 1).op is P2PKind.SEND
+    assert P2POp(Direction.SEND, t, 1).op is P2PKind.SEND
+    a, b = P2POp("send", t, 1), P2POp("send", t, 1)
+    assert a == a and a != b and [a, b].index(b) == 1 and len({a, b}) == 2  # as torch's P2POp
+    with pytest.raises(AttributeError):
+        a.tag = 3  # type: ignore[misc]
+    expect_error(ValueError, lambda: P2POp("put", t, 1), "op")
+
+
+def test_batch_converts_the_op_of_a_replaced_p2pop() -> None:
+    from gradcomm.comm import P2POp
+
+    def body(comm: gradcomm.Communicator) -> list[float]:
+        got = torch.zeros(2)
+        peer = 1 - comm.rank
+        ops = [P2POp("recv", torch.zeros(2), peer)._replace(tensor=got),
+               P2POp("recv", torch.full((2,), float(comm.rank)), peer)._replace(op="send")]  # type: ignore[arg-type]
+        for w in comm.batch_isend_irecv(ops):
+            w.wait()
+        return got.tolist()
+
+    assert ThreadGroup(2, timeout=20).run(body) == [[1.0, 1.0], [0.0, 0.0]]

@@ -186,6 +186,9 @@ def awkward_calls(comm: Communicator) -> dict[str, list[float]]:
     neg_into = torch.zeros(4)
     _transfers(comm, torch.full((4,), r, dtype=torch.complex64).conj().imag, neg_into)
     got["transfers neg"] = neg_into.tolist()
+    param = torch.nn.Parameter(torch.zeros(2))  # a leaf that requires grad, written in place
+    comm.reduce_scatter(param, torch.full((4,), r))
+    got["reduce_scatter parameter"] = param.tolist()
     return got
 
 
@@ -205,6 +208,7 @@ def test_awkward_tensors_after_the_kinds_are_cached_give_the_right_results(
     assert first["scatter strided"] == [0, 1] and second["scatter strided"] == [2, 3]
     assert first["transfers strided"] == [2.0] * 4 and second["transfers strided"] == [1.0] * 4
     assert first["transfers neg"] == second["transfers neg"] == [-0.0] * 4
+    assert first["reduce_scatter parameter"] == second["reduce_scatter parameter"] == [3.0, 3.0]
 
 
 def test_profiler_and_debug_see_calls_made_after_the_kinds_are_cached() -> None:

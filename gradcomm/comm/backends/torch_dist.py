@@ -202,8 +202,11 @@ class TorchDistCommunicator(Communicator):
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
                         description: DescriptionLike) -> Work:
         # The group's list form: chunk r of input (a view, no copy) is reduced into rank r.
-        chunks = list(input.chunk(self.world_size))
-        work = self._pg().reduce_scatter([output], [chunks], _reduce_scatter_options(op))
+        # Detached views of the same memory: gloo copies the result in with an autograd-aware
+        # copy_, which a leaf that requires grad (an nn.Parameter) refuses.
+        chunks = list(input.detach().chunk(self.world_size))
+        work = self._pg().reduce_scatter([output.detach()], [chunks],
+                                         _reduce_scatter_options(op))
         return self._wrap(work, description)
 
     def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
