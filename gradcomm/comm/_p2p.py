@@ -54,25 +54,28 @@ class _P2POpFields(NamedTuple):
 class P2POp(_P2POpFields):
     """One transfer for :meth:`PointToPoint.batch_isend_irecv` (torch's ``P2POp``); read-only.
 
-    Args:
-        op: ``"send"``/``"recv"``, a :class:`P2PKind`, or a communicator's ``send``/``recv``
-            method (as torch takes ``dist.isend``/``dist.irecv``); stored as a P2PKind.
-        tensor: the data to send, or the buffer to receive into.
-        peer: the other rank.
-        tag: matches a send with a receive (ignored by NCCL, which matches in order).
-
-    Raises:
-        ValueError: ``op`` names neither direction.
-
-    A named tuple, not a frozen dataclass: a ring exchange builds two per call, and a frozen
-    dataclass's constructor costs several microseconds (``benchmarks/call_overhead.py --op
-    sendrecv``).
+    Fields ``op`` (a :class:`P2PKind`), ``tensor``, ``peer`` and ``tag``, as given to the
+    constructor. A named tuple, not a frozen dataclass: a ring exchange builds two per call, and
+    a frozen dataclass's constructor costs several microseconds (``benchmarks/call_overhead.py
+    --op sendrecv``).
     """
 
     __slots__ = ()
 
     def __new__(cls, op: P2PKind | str | Callable[..., object], tensor: torch.Tensor, peer: int,
                 tag: int = 0) -> P2POp:
+        """Build one transfer.
+
+        Args:
+            op: ``"send"``/``"recv"``, a :class:`P2PKind`, or a communicator's ``send``/``recv``
+                method (as torch takes ``dist.isend``/``dist.irecv``); stored as a P2PKind.
+            tensor: the data to send, or the buffer to receive into.
+            peer: the other rank.
+            tag: matches a send with a receive (ignored by NCCL, which matches in order).
+
+        Raises:
+            ValueError: ``op`` names neither direction.
+        """
         return tuple.__new__(cls, (_kind(op), tensor, peer, tag))
 
     # Compared and hashed by identity, as torch's P2POp: a tuple's == would compare tensors.
