@@ -148,8 +148,8 @@ class PointToPoint(IssuePath):
             ValueError: ``dst`` out of range or this rank, tag out of range, wrong device.
             RuntimeError: the communicator is closed.
         """
-        tail = self._fast_tail(tensor, async_op)  # the short path: see _issue
-        if tail is not None and self._plain_peer(dst) and self._plain_tag(tag):
+        tail = self._plain_transfer(tensor, dst, tag, async_op)
+        if tail is not None:
             desc = Description("send", next(self._p2p_seq), tensor.numel(), tail,
                                f"dst={dst} tag={tag}")
             return self._complete(self._send(tensor, dst, tag, desc), async_op, None)
@@ -174,9 +174,8 @@ class PointToPoint(IssuePath):
                 (gloo accepts a shorter message silently and aborts on a longer one; NCCL does
                 not check: see the module docstring).
         """
-        tail = self._fast_tail(tensor, async_op)  # the short path: see _issue
-        if tail is not None and self._plain_peer(src) and self._plain_tag(tag):
-            # a contiguous tensor has no two elements at one address: check_writable passes
+        tail = self._plain_transfer(tensor, src, tag, async_op)
+        if tail is not None:  # contiguous, so no two elements at one address: writable
             desc = Description("recv", next(self._p2p_seq), tensor.numel(), tail,
                                f"src={src} tag={tag}")
             return self._complete(self._recv(tensor, src, tag, desc), async_op, tensor)
@@ -204,15 +203,16 @@ class PointToPoint(IssuePath):
         return self._post_batch(prepared)
 
     # ------------------------------------------------------------------ internals
-    def _plain_peer(self, peer: object) -> bool:
-        """Whether ``peer`` is an int rank other than this one (the short path's check_peer)."""
-        return peer.__class__ is int and 0 <= peer < self._world_size and (
-            peer != self._rank)
-
-    @staticmethod
-    def _plain_tag(tag: object) -> bool:
-        """Whether ``tag`` passes :func:`check_tag` (the short path's check)."""
-        return tag.__class__ is int and 0 <= tag < TAG_LIMIT
+    def _plain_transfer(self, tensor: object, peer: object, tag: object,
+                        async_op: object) -> str | None:
+        """``tensor``'s description tail when a transfer may take the short path (see _issue):
+        :meth:`_fast_tail` vouches for the state and ``tensor``, ``peer`` is an int rank other
+        than this one and ``tag`` passes :func:`check_tag`; else None."""
+        tail = self._fast_tail(tensor, async_op)
+        if (tail is not None and peer.__class__ is int and 0 <= peer < self._world_size
+                and peer != self._rank and tag.__class__ is int and 0 <= tag < TAG_LIMIT):
+            return tail
+        return None
 
     def _p2p(self, kind: P2PKind, tensor: torch.Tensor, peer: int, tag: int,
              async_op: bool) -> Work:
@@ -224,8 +224,8 @@ class PointToPoint(IssuePath):
     def _prepare_p2p(self, kind: P2PKind, tensor: torch.Tensor, peer: int,
                      tag: int) -> Transfer:
         name = "dst" if kind is P2PKind.SEND else "src"
-        tail = self._fast_tail(tensor, False)  # the short path: see _issue
-        if tail is not None and self._plain_peer(peer) and self._plain_tag(tag):
+        tail = self._plain_transfer(tensor, peer, tag, False)
+        if tail is not None:
             buf = tensor  # contiguous, so also writable
         else:
             tail = self._check_tensor(tensor, kind.value, reduction=False)

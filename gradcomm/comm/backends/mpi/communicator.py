@@ -317,9 +317,7 @@ class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
     def _live_comm(self) -> MPIModule.Intracomm:
         if self._inflight:
             self._drive_oldest()
-        if self._comm is None:
-            raise RuntimeError("mpi communicator is closed")
-        return self._comm
+        return self.mpi_comm
 
     def _drive_oldest(self) -> None:
         """Test the oldest pending work once: one whose Work was dropped then completes (its

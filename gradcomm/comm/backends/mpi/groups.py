@@ -29,7 +29,8 @@ class MPIGroupOps:
     if TYPE_CHECKING:  # provided by MPICommunicator
         device: torch.device
         _timeout: float | None
-        _comm: MPIModule.Intracomm | None
+        @property
+        def mpi_comm(self) -> MPIModule.Intracomm: ...  # no pending work driven; raises if closed
         _inflight: list[MPIWork]
         _adapter: Any
         _cuda_aware: bool
@@ -54,7 +55,7 @@ class MPIGroupOps:
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
         wire = self._wire(tensor)
         buf, _ = self._prepare(wire, write=False)  # staged in (device), nothing to copy back
-        work = MPIWork(self._open_comm().Isend([buf, MPI.BYTE], dst, tag), description,
+        work = MPIWork(self.mpi_comm.Isend([buf, MPI.BYTE], dst, tag), description,
                        self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight)
         self._drive_older(work)
         return work
@@ -62,7 +63,7 @@ class MPIGroupOps:
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
         wire = self._wire(tensor)
         buf, finish = self._prepare(wire, read=False)
-        work = MPIWork(self._open_comm().Irecv([buf, MPI.BYTE], src, tag), description,
+        work = MPIWork(self.mpi_comm.Irecv([buf, MPI.BYTE], src, tag), description,
                        self._timeout, (tensor, wire.untyped_storage(), buf), self._inflight,
                        expect_bytes=wire.nbytes)
         if finish is not None:
@@ -94,12 +95,6 @@ class MPIGroupOps:
         batch), so works the caller dropped are released as transfers go on."""
         if not self._batching and self._inflight and self._inflight[0] is not work:
             self._drive_oldest()
-
-    def _open_comm(self) -> MPIModule.Intracomm:
-        """The communicator, without driving pending works (RuntimeError once closed)."""
-        if self._comm is None:
-            raise RuntimeError("mpi communicator is closed")
-        return self._comm
 
     # ------------------------------------------------------------------ sub-communicators
     def _split_child(self, plan: SplitPlan) -> Communicator | None:
