@@ -294,7 +294,15 @@ class Work(abc.ABC):
 
 
 class CompletedWork(Work):
-    """A :class:`Work` that is complete from the start (synchronous ops, world_size 1)."""
+    """A :class:`Work` that is complete from the start (synchronous ops, world_size 1).
+
+    The class attributes are an instance's state before ``__init__``, so an instance made without
+    it (as the MPI backend's compiled calls make theirs, see
+    :mod:`gradcomm.comm.backends.mpi.compiled`) is a complete work of that description."""
+
+    _description = "completed collective"
+    timeout = None
+    _done = True
 
     def __init__(
         self, description: str = "completed collective", *, target: torch.Tensor | None = None

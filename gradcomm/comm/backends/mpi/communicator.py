@@ -72,6 +72,8 @@ from ...errors import BackendUnavailableError
 from ...launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
 from ...types import ReduceOp, Support
 from ...work import DescriptionLike, Work
+from . import compiled
+from .compiled_calls import CompiledCalls
 from .dtypes import HALF, MPI_BUFFER, SUM_FAST, mpi_op, predefined_datatype
 from .groups import MPIGroupOps
 from .ops16 import half_op, uses_user_op
@@ -88,7 +90,7 @@ __all__ = ["MPICommunicator"]
 logger = logging.getLogger("gradcomm.comm.mpi")
 
 
-class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
+class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
     """Collectives through mpi4py on a private duplicate of ``MPI.COMM_WORLD``.
 
     Args:
@@ -169,6 +171,8 @@ class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
         self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
         self._cuda_aware = False
         self._cuda_reason = ""
+        self._compiled = (compiled.calls(self, comm, launch.world_size, launch.rank)
+                          if self._on_cpu and launch.world_size > 1 else None)
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:
@@ -304,6 +308,7 @@ class MPICommunicator(MPIShardOps, MPIGroupOps, Communicator):
 
     def _close(self) -> None:
         comm, self._comm = self._comm, None
+        self._compiled = None
         if comm is None or MPI.Is_finalized():
             return
         for work in list(self._inflight):
