@@ -76,7 +76,8 @@ class P2POp(_P2POpFields):
         Raises:
             ValueError: ``op`` names neither direction.
         """
-        return tuple.__new__(cls, (_kind(op), tensor, peer, tag))
+        kind = _KINDS.get(op) if op.__class__ is str else None  # the common spelling, no call
+        return tuple.__new__(cls, (kind or _kind(op), tensor, peer, tag))
 
     # Compared and hashed by identity, as torch's P2POp: a tuple's == would compare tensors.
     __eq__ = object.__eq__
