@@ -143,9 +143,11 @@ struct Said {
 // shares this core gets to run), until done or the budget is spent, without the GIL. Returns the
 // completed collective's CompletedWork, described as the Python path describes it and bound to
 // target (None: none), when done; the request's handle (as mpi4py writes handles) when still
-// pending (the Python path waits for it); or raises.
+// pending (the Python path waits for it); or raises. The storages of `a` and `b` (nullptr: none)
+// are held while the GIL is released: another thread's t.set_(...) must not free MPI's memory.
 PyObject* finish(const Calls* self, const Context& ctx, const Said& said, PyObject* target,
-                 const char* call, int err, Handle request);
+                 const char* call, int err, Handle request, const at::Tensor* a,
+                 const at::Tensor* b = nullptr);
 
 bool arity(Py_ssize_t got, Py_ssize_t want, const char* name);
 

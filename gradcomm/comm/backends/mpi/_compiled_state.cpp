@@ -158,8 +158,11 @@ PyObject* completed(const Context& ctx, PyObject* opname, int64_t numel, PyObjec
 }  // namespace
 
 PyObject* finish(const Calls* self, const Context& ctx, const Said& said, PyObject* target,
-                 const char* call, int err, Handle request) {
+                 const char* call, int err, Handle request, const at::Tensor* a,
+                 const at::Tensor* b) {
   if (err != 0) return mpi_error(call, err);
+  const c10::Storage hold_a = a->storage();
+  const c10::Storage hold_b = b == nullptr ? c10::Storage() : b->storage();
   int flag = 0;
   Py_BEGIN_ALLOW_THREADS;
   using clock = std::chrono::steady_clock;
