@@ -143,11 +143,23 @@ struct Said {
 // shares this core gets to run), until done or the budget is spent, without the GIL. Returns the
 // completed collective's CompletedWork, described as the Python path describes it and bound to
 // target (None: none), when done; the request's handle (as mpi4py writes handles) when still
-// pending (the Python path waits for it); or raises. The storages of `a` and `b` (nullptr: none)
-// are held while the GIL is released: another thread's t.set_(...) must not free MPI's memory.
+// pending, its MPIWork (see pending_work), which the caller waits for as the Python path does;
+// or raises. `a` and `b` (b.obj nullptr: none) are the tensors MPI works on: their storages are
+// held while the GIL is released (another thread's t.set_(...) must not free MPI's memory), and
+// by a pending work.
+struct Held {
+  PyObject* obj;
+  const at::Tensor* t;
+};
 PyObject* finish(const Calls* self, const Context& ctx, const Said& said, PyObject* target,
-                 const char* call, int err, Handle request, const at::Tensor* a,
-                 const at::Tensor* b = nullptr);
+                 const char* call, int err, Handle request, Held a, Held b = {nullptr, nullptr});
+
+// A pending MPIWork of `request`, as MPIWork(request, desc, timeout, keepalive, inflight) and
+// bind(target, stall_note) make it, appended to the communicator's pending list before any Python
+// code can run (a KeyboardInterrupt must not lose it); keepalive: the tensors of `held`, then
+// their storages.
+PyObject* pending_work(const Context& ctx, PyObject* desc, Handle request, const Held* held,
+                       int n, PyObject* target);
 
 bool arity(Py_ssize_t got, Py_ssize_t want, const char* name);
 

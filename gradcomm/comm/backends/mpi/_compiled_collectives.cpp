@@ -19,7 +19,7 @@ PyObject* all_reduce(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
   const int err = mpi.Iallreduce(kInPlace, t->data_ptr(), static_cast<int>(t->numel()), dt,
                                  sum_op, self->comm, &req);
   return finish(self, ctx, {s_all_reduce, t->numel(), tail, types.sum, args[1]}, args[0],
-                "MPI_Iallreduce", err, req, t);
+                "MPI_Iallreduce", err, req, {args[0], t});
 }
 
 PyObject* reduce_scatter(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
@@ -38,7 +38,7 @@ PyObject* reduce_scatter(PyObject* self_, PyObject* const* args, Py_ssize_t narg
                                             static_cast<int>(out->numel()), dt, sum_op,
                                             self->comm, &req);
   return finish(self, ctx, {s_reduce_scatter, out->numel(), tail, types.sum, args[2]}, args[0],
-                "MPI_Ireduce_scatter_block", err, req, in, out);
+                "MPI_Ireduce_scatter_block", err, req, {args[1], in}, {args[0], out});
 }
 
 // all_gather(output, input) and all_to_all(output, input) (equal splits: dim 0 divides among
@@ -59,7 +59,8 @@ PyObject* gather_all(const Calls* self, PyObject* const* args, bool to_all) {
   const int err = (to_all ? mpi.Ialltoall : mpi.Iallgather)(
       in->const_data_ptr(), n, dt, out->data_ptr(), n, dt, self->comm, &req);
   return finish(self, ctx, {to_all ? s_all_to_all : s_all_gather, in->numel(), tail}, args[0],
-                to_all ? "MPI_Ialltoall" : "MPI_Iallgather", err, req, in, out);
+                to_all ? "MPI_Ialltoall" : "MPI_Iallgather", err, req, {args[1], in},
+                {args[0], out});
 }
 
 PyObject* all_gather(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
@@ -87,7 +88,7 @@ PyObject* broadcast(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) { 
   const int err =
       mpi.Ibcast(t->data_ptr(), static_cast<int>(t->numel()), dt, src, self->comm, &req);
   return finish(self, ctx, {s_broadcast, t->numel(), tail, extra.p, Py_None, src}, args[0],
-                "MPI_Ibcast", err, req, t);
+                "MPI_Ibcast", err, req, {args[0], t});
 }
 
 PyObject* reduce(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {  // (t, dst)
@@ -107,7 +108,7 @@ PyObject* reduce(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {  //
       ? mpi.Ireduce(kInPlace, t->data_ptr(), n, dt, sum_op, dst, self->comm, &req)
       : mpi.Ireduce(t->const_data_ptr(), nullptr, n, dt, sum_op, dst, self->comm, &req);
   return finish(self, ctx, {s_reduce, t->numel(), tail, types.sum, label.p, dst}, args[0],
-                "MPI_Ireduce", err, req, t);
+                "MPI_Ireduce", err, req, {args[0], t});
 }
 
 // gather(output, input, dst) and scatter(output, input, src): the root's buffer of size chunks
@@ -139,11 +140,12 @@ PyObject* rooted(const Calls* self, PyObject* chunks_obj, PyObject* chunk_obj, P
     const int err = mpi.Igather(chunk->const_data_ptr(), n, dt, recv, n, dt, root, self->comm,
                                 &req);
     return finish(self, ctx, said, chunks == nullptr ? Py_None : chunks_obj, "MPI_Igather", err,
-                  req, chunk, chunks);
+                  req, {chunk_obj, chunk}, {chunks == nullptr ? nullptr : chunks_obj, chunks});
   }
   const void* send = chunks == nullptr ? nullptr : chunks->const_data_ptr();
   const int err = mpi.Iscatter(send, n, dt, chunk->data_ptr(), n, dt, root, self->comm, &req);
-  return finish(self, ctx, said, chunk_obj, "MPI_Iscatter", err, req, chunk, chunks);
+  return finish(self, ctx, said, chunk_obj, "MPI_Iscatter", err, req, {chunk_obj, chunk},
+                {chunks == nullptr ? nullptr : chunks_obj, chunks});
 }
 
 PyObject* gather(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {

@@ -9,6 +9,7 @@
 #include <climits>
 
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Storage.h>
 
 #include "_compiled.h"
 
@@ -157,12 +158,49 @@ PyObject* completed(const Context& ctx, PyObject* opname, int64_t numel, PyObjec
 
 }  // namespace
 
+PyObject* pending_work(const Context& ctx, PyObject* desc, Handle request, const Held* held,
+                       int n, PyObject* target) {
+  Ref handle(PyLong_FromUnsignedLongLong(
+      static_cast<unsigned long long>(static_cast<long long>(request))));
+  if (handle.p == nullptr) return nullptr;
+  Ref req(PyObject_CallOneArg(types.fromhandle, handle.p));
+  Ref keep(PyTuple_New(2 * n));
+  if (req.p == nullptr || keep.p == nullptr) return nullptr;
+  for (int i = 0; i < n; ++i) {
+    PyObject* storage = nullptr;
+    try {
+      storage = THPStorage_Wrap(held[i].t->storage());
+    } catch (...) {
+      PyErr_SetString(PyExc_RuntimeError, "gradcomm: could not wrap a tensor's storage");
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(keep.p, i, Py_NewRef(held[i].obj));
+    PyTuple_SET_ITEM(keep.p, n + i, storage);
+  }
+  Ref inflight(PyObject_GetAttr(ctx.owner, s_inflight));
+  Ref timeout(PyObject_GetAttr(ctx.owner, s_timeout));
+  Ref stall_note(PyObject_GetAttr(ctx.owner, s_stall_note));
+  if (inflight.p == nullptr || timeout.p == nullptr || stall_note.p == nullptr) return nullptr;
+  auto* type = reinterpret_cast<PyTypeObject*>(types.mpi_work);
+  Ref work(PyBaseObject_Type.tp_new(type, empty_tuple, nullptr));
+  if (work.p == nullptr) return nullptr;
+  const struct {
+    PyObject* name;
+    PyObject* value;
+  } attrs[] = {{s_description, desc},    {s_work_timeout, timeout.p}, {s_request, req.p},
+               {s_keepalive, keep.p},    {s_inflight, inflight.p},    {s_on_timeout, stall_note.p}};
+  for (const auto& a : attrs)
+    if (PyObject_SetAttr(work.p, a.name, a.value) < 0) return nullptr;
+  if (target != Py_None && PyObject_SetAttr(work.p, s_target, target) < 0) return nullptr;
+  if (PyList_Append(inflight.p, work.p) < 0) return nullptr;
+  return Py_NewRef(work.p);
+}
+
 PyObject* finish(const Calls* self, const Context& ctx, const Said& said, PyObject* target,
-                 const char* call, int err, Handle request, const at::Tensor* a,
-                 const at::Tensor* b) {
+                 const char* call, int err, Handle request, Held a, Held b) {
   if (err != 0) return mpi_error(call, err);
-  const c10::Storage hold_a = a->storage();
-  const c10::Storage hold_b = b == nullptr ? c10::Storage() : b->storage();
+  const c10::Storage hold_a = a.t->storage();
+  const c10::Storage hold_b = b.t == nullptr ? c10::Storage() : b.t->storage();
   int flag = 0;
   Py_BEGIN_ALLOW_THREADS;
   using clock = std::chrono::steady_clock;
@@ -177,13 +215,16 @@ PyObject* finish(const Calls* self, const Context& ctx, const Said& said, PyObje
   }
   Py_END_ALLOW_THREADS;
   if (err != 0) return mpi_error(call, err);
-  if (flag == 0)
-    return PyLong_FromUnsignedLongLong(
-        static_cast<unsigned long long>(static_cast<long long>(request)));
   Ref root(said.root < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(said.root));
   if (root.p == nullptr) return nullptr;
-  return completed(ctx, said.opname, said.numel, said.tail, said.extra, said.label, root.p,
-                   target);
+  if (flag != 0)
+    return completed(ctx, said.opname, said.numel, said.tail, said.extra, said.label, root.p,
+                     target);
+  Ref desc(describe(ctx.owner, s_seq, said.opname, said.numel, said.tail, said.extra, said.label,
+                    root.p));
+  if (desc.p == nullptr) return nullptr;
+  const Held held[] = {a, b};
+  return pending_work(ctx, desc.p, request, held, b.obj == nullptr ? 1 : 2, target);
 }
 
 bool arity(Py_ssize_t got, Py_ssize_t want, const char* name) {

@@ -4,8 +4,6 @@
 
 #include <climits>
 
-#include <torch/csrc/Storage.h>
-
 #include "_compiled.h"
 
 namespace gradcomm_mpi {
@@ -22,56 +20,26 @@ struct Transfer {
 };
 
 // The pending MPIWork of one posted transfer, as MPIWork(request, Description(...), timeout,
-// keepalive, inflight, expect_bytes=...) and bind(target, stall_note) make it, appended to the
-// communicator's pending list.
-PyObject* transfer_work(const Context& ctx, const Transfer& x, PyObject* inflight,
-                        PyObject* timeout, PyObject* stall_note) {
+// keepalive, inflight, expect_bytes=...) and bind(target, stall_note) make it (see
+// pending_work).
+PyObject* transfer_work(const Context& ctx, const Transfer& x) {
   Ref extra(PyUnicode_FromFormat(x.send ? "dst=%d tag=%d" : "src=%d tag=%d", x.peer, x.tag));
   if (extra.p == nullptr) return nullptr;
   Ref desc(describe(ctx.owner, s_p2p_seq, x.send ? s_send : s_recv, x.t->numel(), x.tail,
                     extra.p, Py_None, Py_None));
-  Ref handle(PyLong_FromUnsignedLongLong(
-      static_cast<unsigned long long>(static_cast<long long>(x.request))));
-  if (desc.p == nullptr || handle.p == nullptr) return nullptr;
-  Ref request(PyObject_CallOneArg(types.fromhandle, handle.p));
-  if (request.p == nullptr) return nullptr;
-  PyObject* storage = nullptr;
-  try {
-    storage = THPStorage_Wrap(x.t->storage());  // MPI's memory outlives a t.set_(...)
-  } catch (...) {
-    PyErr_SetString(PyExc_RuntimeError, "gradcomm: could not wrap a tensor's storage");
+  if (desc.p == nullptr) return nullptr;
+  const Held held{x.tensor, x.t};
+  // a receive's result lands in its tensor; a send has nothing to write
+  Ref work(pending_work(ctx, desc.p, x.request, &held, 1, x.send ? Py_None : x.tensor));
+  if (work.p == nullptr || x.send) return work.p == nullptr ? nullptr : Py_NewRef(work.p);
+  Ref expect(PyLong_FromSize_t(x.t->nbytes()));  // a receive checks the size it got
+  Ref status(PyObject_CallNoArgs(types.status));
+  if (expect.p == nullptr || status.p == nullptr ||
+      PyObject_SetAttr(work.p, s_expect_bytes, expect.p) < 0 ||
+      PyObject_SetAttr(work.p, s_status, status.p) < 0)
     return nullptr;
-  }
-  Ref keep_storage(storage);
-  Ref keep(storage == nullptr ? nullptr : PyTuple_Pack(2, x.tensor, storage));
-  if (keep.p == nullptr) return nullptr;
-  auto* type = reinterpret_cast<PyTypeObject*>(types.mpi_work);
-  Ref work(PyBaseObject_Type.tp_new(type, empty_tuple, nullptr));
-  if (work.p == nullptr) return nullptr;
-  const struct {
-    PyObject* name;
-    PyObject* value;
-  } attrs[] = {{s_description, desc.p}, {s_work_timeout, timeout}, {s_request, request.p},
-               {s_keepalive, keep.p},   {s_inflight, inflight},     {s_on_timeout, stall_note}};
-  for (const auto& a : attrs)
-    if (PyObject_SetAttr(work.p, a.name, a.value) < 0) return nullptr;
-  if (!x.send) {  // a receive checks the size it got (MPIWork._release)
-    Ref expect(PyLong_FromSize_t(x.t->nbytes()));
-    Ref status(PyObject_CallNoArgs(types.status));
-    if (expect.p == nullptr || status.p == nullptr ||
-        PyObject_SetAttr(work.p, s_expect_bytes, expect.p) < 0 ||
-        PyObject_SetAttr(work.p, s_status, status.p) < 0 ||
-        PyObject_SetAttr(work.p, s_target, x.tensor) < 0)
-      return nullptr;
-  }
-  if (PyList_Append(inflight, work.p) < 0) return nullptr;
   return Py_NewRef(work.p);
 }
-
-// batch(ops): ops a list of 1-64 P2POp. Declines (None, nothing posted) unless every op is
-// exactly a P2POp of P2PKind SEND or RECV with a plain tensor (see plain), an int peer other than
-// this rank and an int tag in [0, tag_limit). Else posts the receives, then the sends, each kind
-// in list order (so same-tag messages still match in order), and returns their pending
 
 }  // namespace
 
@@ -113,13 +81,9 @@ PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
       if (err != 0) return mpi_error(x.send ? "MPI_Isend" : "MPI_Irecv", err);
     }
   }
-  Ref inflight(PyObject_GetAttr(ctx.owner, s_inflight));
-  Ref timeout(PyObject_GetAttr(ctx.owner, s_timeout));
-  Ref stall_note(PyObject_GetAttr(ctx.owner, s_stall_note));
-  if (inflight.p == nullptr || timeout.p == nullptr || stall_note.p == nullptr) return nullptr;
   PyObject* works = PyList_New(n);
   for (Py_ssize_t i = 0; works != nullptr && i < n; ++i) {
-    PyObject* work = transfer_work(ctx, xs[i], inflight.p, timeout.p, stall_note.p);
+    PyObject* work = transfer_work(ctx, xs[i]);
     if (work == nullptr) Py_CLEAR(works);
     else PyList_SET_ITEM(works, i, work);
   }

@@ -171,8 +171,8 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
         self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
         self._cuda_aware = False
         self._cuda_reason = ""
-        self._compiled = (compiled.calls(self, comm, launch.world_size, launch.rank)
-                          if self._on_cpu and launch.world_size > 1 else None)
+        self._compiled = compiled.calls(self, comm, launch.world_size, launch.rank,
+                                        wanted=self._on_cpu)
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:

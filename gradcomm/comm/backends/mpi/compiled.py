@@ -1,36 +1,42 @@
-"""Blocking MPI collectives in one compiled call: the checks, the post and the poll in C++.
+"""The mpi backend's compiled calls: checks, post and poll of its common calls in C++.
 
 A blocking collective on the Python path (``comm.all_reduce(t)`` with ``async_op=False``) checks
-its tensors, posts the non-blocking MPI call, builds an :class:`~gradcomm.comm.MPIWork` and polls
-it: some thirty Python steps. Each costs about a microsecond when the transfer before it has
-left the caches cold, which at 1 MiB is 10-40 % of the MPI call itself. ``_compiled_*.cpp`` make
-the same checks on the tensors' C++ side, posts the same MPI call and polls it with ``Test()``,
-in one call from Python.
+its tensors, posts the non-blocking MPI call, builds an ``MPIWork`` and polls it: some thirty
+Python steps. Each costs about a microsecond when the transfer before it has left the caches
+cold, which at 1 MiB is 10-40 % of the MPI call itself. ``_compiled_*.cpp`` make the same checks
+on the tensors' C++ side, post the same MPI call and poll it with ``Test()``, in one call from
+Python; ``batch_isend_irecv`` posts its transfers and makes their works there too.
 
-When it is used: CPU tensors of a dtype MPI sums natively (float32/64, int8-int64, uint8), in a
-blocking call of all_reduce, reduce_scatter, all_gather, all_to_all (equal splits), broadcast,
-reduce, gather or scatter, with ``ReduceOp.SUM`` for the reductions, on a communicator with
-nothing pending, no profiler and debug ``OFF``. Every other call, and every call whose
-arguments the compiled checks decline (anything the Python short path would not take), takes
-the Python path unchanged, which raises what it raises. A collective still pending after
-:data:`BUDGET_S` is handed back to the Python path as an ``MPIWork`` (timeout, signals, stall
-handling as usual).
+When it is used: CPU tensors of a dtype MPI sums natively (float32/64, int8-int64, uint8) that
+an earlier call checked, in a blocking all_reduce, reduce_scatter, all_gather, all_to_all (equal
+splits), broadcast, reduce, gather or scatter, with ``ReduceOp.SUM`` for the reductions, or in a
+``batch_isend_irecv``, on a communicator with nothing pending, no profiler and debug ``OFF``.
+Every other call, and every call whose arguments the compiled checks decline (anything the
+Python short path would not take), takes the Python path unchanged, which raises what it
+raises. A collective still pending after :data:`BUDGET_S` becomes a pending ``MPIWork`` in the
+communicator (timeout, signals, stall handling as on the Python path).
 
-How it is built: on first use in a process, with :func:`torch.utils.cpp_extension.load` (a C++
-compiler and ``ninja``; about 20-60 s once, then cached under ``TORCH_EXTENSIONS_DIR``, by
-default ``~/.cache/torch_extensions``). It does not link MPI: it finds the MPI functions in the
-library mpi4py loaded, and uses the MPICH ABI (MPICH >= 3.1, Intel MPI, MVAPICH, Cray MPICH:
-every handle an int), so it is used only when mpi4py runs on that ABI and has
-``MPI.Request.fromhandle`` (mpi4py >= 4). ``GRADCOMM_MPI_COMPILED=0`` turns it off, ``=1``
-makes a communicator raise when it cannot be used; unset, it is used where it can be and a
-warning on the ``gradcomm.comm.mpi`` logger says why when it cannot.
+How it is built: on the first communicator with more than one rank, with
+:func:`torch.utils.cpp_extension.load` (a C++ compiler and ``ninja``; 20-120 s once, then cached
+in :func:`build_directory`). It does not link MPI: it finds the MPI functions in the library
+mpi4py loaded, and uses the MPICH ABI (MPICH >= 3.1, Intel MPI, MVAPICH, Cray MPICH: every
+handle an int), so it is used only when mpi4py runs on that ABI and has
+``MPI.Request.fromhandle`` (mpi4py >= 4). ``GRADCOMM_MPI_COMPILED=0`` turns it off, ``=1`` makes
+a communicator raise when it cannot be used; unset, it is used where it can be, and a
+:class:`~gradcomm.SlowPathWarning` says why when it cannot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import logging
+import os
 import re
+import sys
+import time
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -40,12 +46,14 @@ from mpi4py import MPI
 
 from ..._env_flag import env_flag
 from ..._p2p import TAG_LIMIT, P2PKind, P2POp
+from ...errors import SlowPathWarning
 from ...types import ReduceOp
 from ...work import CompletedWork, Description
 from .dtypes import SUM_FAST, predefined_datatype
 from .work import MPIWork
 
-__all__ = ["BUDGET_S", "ENV", "load", "unavailable_reason"]
+__all__ = ["BUDGET_S", "ENV", "STALE_LOCK_S", "build_directory", "calls", "load",
+           "unavailable_reason", "wait_for_lock"]
 
 logger = logging.getLogger("gradcomm.comm.mpi")
 
@@ -56,6 +64,8 @@ ENV = "GRADCOMM_MPI_COMPILED"
 BUDGET_S = 0.1
 _SOURCES = [str(Path(__file__).with_name(f"_compiled_{part}.cpp"))
             for part in ("module", "state", "collectives", "transfers")]  # and _compiled.h
+#: Seconds after which a build lock is taken to be left by a killed build (a build takes less).
+STALE_LOCK_S = 300.0
 #: MPI_COMM_WORLD's handle in the MPICH ABI.
 _MPICH_COMM_WORLD = 0x44000000
 #: Names of the MPICH-ABI library mpi4py may have loaded, most common first.
@@ -75,13 +85,9 @@ def _load() -> tuple[ModuleType | None, str]:
     if not hasattr(MPI.Request, "fromhandle"):
         return None, f"mpi4py {MPI.Get_version()} lacks Request.fromhandle (needs mpi4py >= 4)"
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.verify_ninja_availability()
-        module = cpp_extension.load(_module_name(), _SOURCES, extra_cflags=["-O2"],
-                                    verbose=False)
+        module = _build()
     except Exception as exc:  # noqa: BLE001 - any build failure means the Python path
-        return None, f"the C++ build failed: {str(exc).strip().splitlines()[-1][:120]}"
+        return None, f"the C++ build failed: {_first_error(str(exc))}"
     for name in _LIBRARIES:
         try:
             module.bind(name, MPI.SUM.handle, MPI.BYTE.handle)
@@ -94,6 +100,73 @@ def _load() -> tuple[ModuleType | None, str]:
     module.set_types(CompletedWork, MPIWork, Description, P2POp, P2PKind.SEND, P2PKind.RECV,
                      ReduceOp.SUM, MPI.Request.fromhandle, MPI.Status, TAG_LIMIT)
     return module, ""
+
+
+def build_directory() -> Path:
+    """Where the extension is built and cached: ``TORCH_EXTENSIONS_DIR`` (default
+    ``~/.cache/torch_extensions``) ``/gradcomm-py<version>/<name>``, one per Python and torch."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root, f"gradcomm-py{sys.version_info[0]}{sys.version_info[1]}", _module_name())
+
+
+def _build() -> ModuleType:
+    """``torch.utils.cpp_extension.load`` of the sources, with this environment's ninja first on
+    PATH (another ninja reads the cached build as stale and rebuilds it) after a stale lock of a
+    killed build is cleared (:func:`wait_for_lock`)."""
+    from torch.utils import cpp_extension
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    wait_for_lock(directory / "lock")
+    path = os.environ.get("PATH", "")
+    bins = [str(Path(sys.executable).parent)]
+    with contextlib.suppress(ImportError, AttributeError):  # the PyPI package the extra brings
+        bins.insert(0, str(importlib.import_module("ninja").BIN_DIR))
+    os.environ["PATH"] = os.pathsep.join([*bins, path])
+    start = time.monotonic()
+    logger.info("building or loading the compiled MPI calls in %s (a first build takes "
+                "20-120 s)", directory)
+    try:
+        cpp_extension.verify_ninja_availability()
+        module: ModuleType = cpp_extension.load(_module_name(), _SOURCES, extra_cflags=["-O2"],
+                                    build_directory=str(directory), verbose=False)
+    finally:
+        os.environ["PATH"] = path
+    logger.info("compiled MPI calls ready in %.1f s", time.monotonic() - start)
+    return module
+
+
+def wait_for_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:
+    """Return once no build holds ``lock`` (torch's build lock file). A lock older than
+    ``stale_s`` seconds is left by a build that was killed (SIGTERM from ``timeout`` or a job
+    scheduler skips its clean-up) and would make torch wait for ever: it is removed, with a
+    warning."""
+    warned = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            logger.warning("removing %s, a build lock %.0f s old (a killed build left it)", lock,
+                           age)
+            lock.unlink(missing_ok=True)
+            return
+        if not warned:
+            logger.warning("waiting for another process's build of the compiled MPI calls (%s; "
+                           "removed as stale after %.0f s)", lock, stale_s)
+            warned = True
+        time.sleep(poll_s)
+
+
+def _first_error(text: str) -> str:
+    """The line of a build failure that says what went wrong (the first naming an error, else the
+    last), at most 200 characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()] or ["no output"]
+    named = [line for line in lines if "error" in line.lower()]
+    return (named[0] if named else lines[-1])[:200]
 
 
 def unavailable_reason() -> str:
@@ -125,14 +198,22 @@ def load() -> ModuleType | None:
 
 @functools.cache
 def _warn_once(reason: str) -> None:
-    logger.warning("compiled MPI calls off (%s): blocking collectives take the Python path; "
-                   "set %s=0 to silence this", reason, ENV)
+    text = (f"compiled MPI calls off ({reason}): blocking collectives take the Python path, "
+            f"slower by 5-60 % at 1 MiB; set {ENV}=0 to silence this")
+    logger.warning(text)
+    warnings.warn(text, SlowPathWarning, stacklevel=2)
 
 
-def calls(owner: Any, comm: Any, size: int, rank: int) -> Any:
-    """The compiled calls of communicator ``owner`` on ``comm`` (its ``MPI.Intracomm`` of
-    ``size`` >= 2 ranks), or None. They read ``owner``'s state on each call (closed, debug,
-    profiler, pending works, device adapter, stall, cached dtypes: see ``enter`` and ``plain``
-    in ``_compiled_state.cpp``) and hold it weakly."""
-    module = load()
+def calls(owner: Any, comm: Any, size: int, rank: int, wanted: bool) -> Any:
+    """The compiled calls of communicator ``owner`` on ``comm`` (its ``MPI.Intracomm`` of ``size``
+    ranks), or None: off, or not ``wanted`` (one rank, device memory). They read ``owner``'s
+    state on each call (closed, debug, profiler, pending works, device adapter, stall, cached
+    dtypes: see ``enter`` and ``plain`` in ``_compiled_state.cpp``) and hold it weakly.
+
+    Raises:
+        ValueError: ``GRADCOMM_MPI_COMPILED`` is not an on/off word (whatever ``wanted``).
+        RuntimeError: ``GRADCOMM_MPI_COMPILED=1``, ``wanted`` and they cannot be used.
+    """
+    env_flag(ENV, None)  # a typo raises on every rank, also where nothing is built
+    module = load() if wanted and size > 1 else None
     return None if module is None else module.Calls(owner, comm.handle, size, rank, BUDGET_S)

@@ -10,20 +10,19 @@ checks and raises as always. The arguments and results are those of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from mpi4py import MPI
 
 from ..._p2p import P2POp
 from ...communicator import Communicator
 from ...types import ReduceOp
-from ...work import Description, Work
-from .work import MPIWork
+from ...work import CompletedWork, Work
 
 __all__ = ["CompiledCalls"]
 
 _SUM = ReduceOp.SUM
+_DONE = CompletedWork
 
 
 class CompiledCalls(Communicator):
@@ -32,25 +31,12 @@ class CompiledCalls(Communicator):
 
     ``_compiled`` is the communicator's ``Calls`` object (None: off, closed, or device memory),
     set by the MPI communicator. A call returns None (declined: nothing posted), the completed
-    :class:`~gradcomm.comm.CompletedWork`, or the handle (an int) of a request still pending
-    after the compiled poll's budget, which :meth:`_pending` waits for as the Python path does.
+    ``CompletedWork``, or the pending ``MPIWork`` of a collective
+    still running after the compiled poll's budget, already in the communicator's pending list,
+    which is then waited for as on the Python path.
     """
 
     _compiled: Any
-    if TYPE_CHECKING:  # pragma: no cover - provided by MPICommunicator
-        _inflight: list[MPIWork]
-
-    def _pending(self, handle: int, target: torch.Tensor | None, keep: tuple[torch.Tensor, ...],
-                 opname: str, numel: int, extra: object = "", label: str | None = None,
-                 root: int | None = None) -> Work:
-        """Wait for the pending request ``handle`` of a compiled call (``keep``: the tensors MPI
-        works on, first the one whose dtype the description names)."""
-        tail = self._checks.check(keep[0], opname, reduction=False)
-        desc = Description(opname, next(self._seq), numel, tail, extra, label, root)
-        keepalive = (*keep, *(t.untyped_storage() for t in keep))
-        work = MPIWork(MPI.Request.fromhandle(handle), desc, self._timeout, keepalive,
-                       self._inflight)
-        return self._complete(work, False, target)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = _SUM, *,
                    async_op: bool = False, label: str | None = None) -> Work:
@@ -59,8 +45,7 @@ class CompiledCalls(Communicator):
                 and (label is None or label.__class__ is str)):
             work = calls.all_reduce(tensor, label)
             if work is not None:
-                return work if work.__class__ is not int else self._pending(
-                    work, tensor, (tensor,), "all_reduce", tensor.numel(), op, label)
+                return work if work.__class__ is _DONE else self._complete(work, False, tensor)
         return super().all_reduce(tensor, op, async_op=async_op, label=label)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
@@ -71,8 +56,7 @@ class CompiledCalls(Communicator):
                 and (label is None or label.__class__ is str)):
             work = calls.reduce_scatter(output, input, label)
             if work is not None:
-                return work if work.__class__ is not int else self._pending(
-                    work, output, (input, output), "reduce_scatter", output.numel(), op, label)
+                return work if work.__class__ is _DONE else self._complete(work, False, output)
         return super().reduce_scatter(output, input, op, async_op=async_op, label=label)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
@@ -82,8 +66,7 @@ class CompiledCalls(Communicator):
         if calls is not None and async_op is False and output_split_sizes is None:
             work = calls.all_gather(output, input)
             if work is not None:
-                return work if work.__class__ is not int else self._pending(
-                    work, output, (input, output), "all_gather", input.numel())
+                return work if work.__class__ is _DONE else self._complete(work, False, output)
         return super().all_gather(output, input, output_split_sizes, async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
@@ -95,8 +78,7 @@ class CompiledCalls(Communicator):
                 and input_split_sizes is None):
             work = calls.all_to_all(output, input)
             if work is not None:
-                return work if work.__class__ is not int else self._pending(
-                    work, output, (input, output), "all_to_all", input.numel())
+                return work if work.__class__ is _DONE else self._complete(work, False, output)
         return super().all_to_all(output, input, output_split_sizes, input_split_sizes,
                                   async_op=async_op)
 
@@ -105,9 +87,7 @@ class CompiledCalls(Communicator):
         if calls is not None and async_op is False:
             work = calls.broadcast(tensor, src)
             if work is not None:
-                return work if work.__class__ is not int else self._pending(
-                    work, tensor, (tensor,), "broadcast", tensor.numel(), f"src={src}",
-                    root=src)
+                return work if work.__class__ is _DONE else self._complete(work, False, tensor)
         return super().broadcast(tensor, src, async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: ReduceOp | str = _SUM, *,
@@ -117,9 +97,7 @@ class CompiledCalls(Communicator):
                 and (label is None or label.__class__ is str)):
             work = calls.reduce(tensor, dst)
             if work is not None:
-                return work if work.__class__ is not int else self._pending(
-                    work, tensor, (tensor,), "reduce", tensor.numel(), op, f"dst={dst}",
-                    root=dst)
+                return work if work.__class__ is _DONE else self._complete(work, False, tensor)
         return super().reduce(tensor, dst, op, async_op=async_op, label=label)
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int = 0, *,
@@ -127,13 +105,9 @@ class CompiledCalls(Communicator):
         calls = self._compiled
         if calls is not None and async_op is False:
             work = calls.gather(output, input, dst)
-            if work is not None:
-                if work.__class__ is not int:
-                    return work  # type: ignore[no-any-return]
-                root = self._rank == dst  # output is a tensor there, ignored elsewhere
-                keep = (input, output) if root else (input,)
-                return self._pending(work, output if root else None, keep,  # type: ignore[arg-type]
-                                     "gather", input.numel(), f"dst={dst}", root=dst)
+            if work is not None:  # output is a tensor on the root, ignored elsewhere
+                return work if work.__class__ is _DONE else self._complete(
+                    work, False, output if self._rank == dst else None)
         return super().gather(output, input, dst, async_op=async_op)
 
     def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int = 0, *,
@@ -142,11 +116,7 @@ class CompiledCalls(Communicator):
         if calls is not None and async_op is False:
             work = calls.scatter(output, input, src)
             if work is not None:
-                if work.__class__ is not int:
-                    return work  # type: ignore[no-any-return]
-                keep = (output, input) if self._rank == src else (output,)
-                return self._pending(work, output, keep, "scatter",  # type: ignore[arg-type]
-                                     output.numel(), f"src={src}", root=src)
+                return work if work.__class__ is _DONE else self._complete(work, False, output)
         return super().scatter(output, input, src, async_op=async_op)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
