@@ -58,7 +58,6 @@ struct Types {
   long tag_limit = 0;
 };
 extern Types types;
-extern bool typed;
 
 // Attribute names, interned at module init.
 extern PyObject *s_closed, *s_cached_checks, *s_profiler, *s_inflight, *s_adapter, *s_stalls,

@@ -29,7 +29,8 @@
 namespace gradcomm_mpi {
 namespace {
 
-bool bound = false;
+bool bound = false;  // bind() ran
+bool typed = false;  // set_types() ran
 
 #define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
 

@@ -20,7 +20,6 @@ Handle sum_op = 0;
 Handle byte_type = 0;
 Handle datatypes[static_cast<int>(c10::ScalarType::NumOptions)] = {};
 Types types;
-bool typed = false;
 PyObject *s_closed, *s_cached_checks, *s_profiler, *s_inflight, *s_adapter, *s_stalls,
     *s_stalled, *s_plain_kinds, *s_seq, *s_p2p_seq, *s_timeout, *s_stall_note, *s_work_timeout,
     *s_description, *s_target, *s_request, *s_expect_bytes, *s_status, *s_keepalive,

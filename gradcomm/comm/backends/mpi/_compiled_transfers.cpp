@@ -31,24 +31,30 @@ PyObject* transfer_work(const Context& ctx, const Transfer& x) {
   const Held held{x.tensor, x.t};
   // a receive's result lands in its tensor; a send has nothing to write
   Ref work(pending_work(ctx, desc.p, x.request, &held, 1, x.send ? Py_None : x.tensor));
-  if (work.p == nullptr || x.send) return work.p == nullptr ? nullptr : Py_NewRef(work.p);
-  Ref expect(PyLong_FromSize_t(x.t->nbytes()));  // a receive checks the size it got
-  Ref status(PyObject_CallNoArgs(types.status));
-  if (expect.p == nullptr || status.p == nullptr ||
-      PyObject_SetAttr(work.p, s_expect_bytes, expect.p) < 0 ||
-      PyObject_SetAttr(work.p, s_status, status.p) < 0)
-    return nullptr;
+  if (work.p == nullptr) return nullptr;
+  if (!x.send) {  // a receive checks the size it got
+    Ref expect(PyLong_FromSize_t(x.t->nbytes()));
+    Ref status(PyObject_CallNoArgs(types.status));
+    if (expect.p == nullptr || status.p == nullptr ||
+        PyObject_SetAttr(work.p, s_expect_bytes, expect.p) < 0 ||
+        PyObject_SetAttr(work.p, s_status, status.p) < 0)
+      return nullptr;
+  }
   return Py_NewRef(work.p);
 }
 
 }  // namespace
 
-// MPIWorks in list order. An MPI error raises; what was posted is left to MPI.
+// batch(ops): ops a list of 1-64 P2POp. Declines (None, nothing posted) unless every op is
+// exactly a P2POp of P2PKind SEND or RECV with a plain tensor (see plain), an int peer other than
+// this rank and an int tag in [0, tag_limit). Else posts the receives, then the sends, each kind
+// in list order (so same-tag messages still match in order), and returns their pending MPIWorks
+// in list order. An MPI error raises; what was posted is left to MPI.
 PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
   auto* self = reinterpret_cast<Calls*>(self_);
   if (!arity(nargs, 1, "batch")) return nullptr;
   PyObject* ops = args[0];
-  if (!typed || !PyList_CheckExact(ops)) Py_RETURN_NONE;
+  if (!PyList_CheckExact(ops)) Py_RETURN_NONE;  // a Calls exists only once set_types ran
   const Py_ssize_t n = PyList_GET_SIZE(ops);
   if (n == 0 || n > kMaxBatch) Py_RETURN_NONE;
   ENTER_OR_DECLINE(self, ctx);

@@ -130,8 +130,9 @@ def _build() -> ModuleType:
                 "20-120 s)", directory)
     try:
         cpp_extension.verify_ninja_availability()
-        module: ModuleType = cpp_extension.load(_module_name(), _SOURCES, extra_cflags=["-O2"],
-                                    build_directory=str(directory), verbose=False)
+        module: ModuleType = cpp_extension.load(
+            _module_name(), _SOURCES, extra_cflags=["-O2"], build_directory=str(directory),
+            verbose=False)
     finally:
         os.environ["PATH"] = path
     logger.info("compiled MPI calls ready in %.1f s", time.monotonic() - start)
@@ -214,6 +215,8 @@ def calls(owner: Any, comm: Any, size: int, rank: int, wanted: bool) -> Any:
         ValueError: ``GRADCOMM_MPI_COMPILED`` is not an on/off word (whatever ``wanted``).
         RuntimeError: ``GRADCOMM_MPI_COMPILED=1``, ``wanted`` and they cannot be used.
     """
-    env_flag(ENV, None)  # a typo raises on every rank, also where nothing is built
-    module = load() if wanted and size > 1 else None
+    if not wanted or size < 2:
+        env_flag(ENV, None)  # a typo raises on every rank, also where nothing is built
+        return None
+    module = load()  # reads and checks the variable
     return None if module is None else module.Calls(owner, comm.handle, size, rank, BUDGET_S)
