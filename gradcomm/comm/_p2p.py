@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -44,26 +45,19 @@ class P2PKind(enum.Enum):
     RECV = "recv"
 
 
-class _P2POpFields(NamedTuple):
-    op: P2PKind
-    tensor: torch.Tensor
-    peer: int
-    tag: int = 0
-
-
-class P2POp(_P2POpFields):
+class P2POp:
     """One transfer for :meth:`PointToPoint.batch_isend_irecv` (torch's ``P2POp``); read-only.
 
     Fields ``op`` (a :class:`P2PKind`), ``tensor``, ``peer`` and ``tag``, as given to the
-    constructor. A named tuple, not a frozen dataclass: a ring exchange builds two per call, and
-    a frozen dataclass's constructor costs several microseconds (``benchmarks/call_overhead.py
-    --op sendrecv``).
+    constructor. Compared and hashed by identity, as torch's ``P2POp``. A class with slots: a
+    ring exchange builds two per call, and its constructor costs a third of a named tuple's or
+    a frozen dataclass's (``benchmarks/call_overhead.py --op sendrecv``).
     """
 
-    __slots__ = ()
+    __slots__ = ("_op", "_peer", "_tag", "_tensor")
 
-    def __new__(cls, op: P2PKind | str | Callable[..., object], tensor: torch.Tensor, peer: int,
-                tag: int = 0) -> P2POp:
+    def __init__(self, op: P2PKind | str | Callable[..., object], tensor: torch.Tensor,
+                 peer: int, tag: int = 0) -> None:
         """Build one transfer.
 
         Args:
@@ -76,13 +70,23 @@ class P2POp(_P2POpFields):
         Raises:
             ValueError: ``op`` names neither direction.
         """
-        kind = _KINDS.get(op) if op.__class__ is str else None  # the common spelling, no call
-        return tuple.__new__(cls, (kind or _kind(op), tensor, peer, tag))
+        # the common spelling is looked up without a call
+        self._op = (_KINDS.get(op) if op.__class__ is str else None) or _kind(op)
+        self._tensor = tensor
+        self._peer = peer
+        self._tag = tag
 
-    # Compared and hashed by identity, as torch's P2POp: a tuple's == would compare tensors.
-    __eq__ = object.__eq__
-    __ne__ = object.__ne__
-    __hash__ = object.__hash__
+    op = property(attrgetter("_op"), doc="The direction, a :class:`P2PKind`.")
+    tensor = property(attrgetter("_tensor"), doc="The data to send, or the buffer to receive "
+                      "into.")
+    peer = property(attrgetter("_peer"), doc="The other rank.")
+    tag = property(attrgetter("_tag"), doc="The tag, which matches a send with a receive.")
+
+    def __repr__(self) -> str:
+        t = self._tensor
+        what = (f"{t.__class__.__name__} {list(t.shape)} {t.dtype}"
+                if isinstance(t, torch.Tensor) else repr(t))
+        return f"P2POp({self._op.value!r}, {what}, peer={self._peer!r}, tag={self._tag!r})"
 
 
 _KINDS = {"send": P2PKind.SEND, "isend": P2PKind.SEND, "recv": P2PKind.RECV,
@@ -199,8 +203,7 @@ class PointToPoint(IssuePath):
                 o.__class__ is P2POp or isinstance(o, P2POp) for o in ops):
             raise TypeError("batch_isend_irecv takes a list of P2POp")
         self._check_open()
-        # _kind again: a named tuple's _replace() and _make() do not convert op
-        prepared = [self._prepare_p2p(_kind(o.op), o.tensor, o.peer, o.tag) for o in ops]
+        prepared = [self._prepare_p2p(o.op, o.tensor, o.peer, o.tag) for o in ops]
         return self._post_batch(prepared)
 
     # ------------------------------------------------------------------ internals

@@ -32,6 +32,8 @@ struct Mpi {
   int (*Isend)(const void*, int, Handle, int, int, Handle, Handle*);
   int (*Irecv)(void*, int, Handle, int, int, Handle, Handle*);
   int (*Test)(Handle*, int*, Status*);
+  int (*Get_count)(const Status*, Handle, int*);
+  int (*Error_class)(int, int*);
   int (*Error_string)(int, char*, int*);
 };
 extern Mpi mpi;
@@ -54,7 +56,7 @@ struct Types {
   PyObject* recv_kind = nullptr;       // P2PKind.RECV
   PyObject* sum = nullptr;             // ReduceOp.SUM
   PyObject* fromhandle = nullptr;      // MPI.Request.fromhandle
-  PyObject* status = nullptr;          // MPI.Status
+  PyObject* transfer_work = nullptr;   // the class of batch()'s works (compiled.py)
   long tag_limit = 0;
 };
 extern Types types;
@@ -62,10 +64,10 @@ extern Types types;
 // Attribute names, interned at module init.
 extern PyObject *s_closed, *s_cached_checks, *s_profiler, *s_inflight, *s_adapter, *s_stalls,
     *s_stalled, *s_plain_kinds, *s_seq, *s_p2p_seq, *s_timeout, *s_stall_note, *s_work_timeout,
-    *s_description, *s_target, *s_request, *s_expect_bytes, *s_status, *s_keepalive,
-    *s_on_timeout, *s_opname, *s_numel, *s_tail, *s_extra, *s_label, *s_text, *s_root, *s_splits,
-    *s_empty, *s_all_reduce, *s_reduce_scatter, *s_all_gather, *s_all_to_all, *s_broadcast,
-    *s_reduce, *s_gather, *s_scatter, *s_send, *s_recv, *empty_tuple;
+    *s_description, *s_target, *s_request, *s_keepalive, *s_on_timeout, *s_opname, *s_numel,
+    *s_tail, *s_extra, *s_label, *s_text, *s_root, *s_splits, *s_empty, *s_all_reduce,
+    *s_reduce_scatter, *s_all_gather, *s_all_to_all, *s_broadcast, *s_reduce, *s_gather,
+    *s_scatter, *s_send, *s_recv, *s_finish, *empty_tuple;
 
 // A new reference, dropped at the end of its scope.
 struct Ref {
@@ -76,6 +78,32 @@ struct Ref {
   Ref& operator=(const Ref&) = delete;
 };
 
+// ---------------------------------------------------------------- slots
+
+// The object in obj's slot at `offset` (borrowed; nullptr when unset).
+inline PyObject* slot_get(PyObject* obj, Py_ssize_t offset) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+}
+// Put `value` in obj's slot at `offset`, dropping what was there.
+inline void slot_set(PyObject* obj, Py_ssize_t offset, PyObject* value) {
+  PyObject** at = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+  PyObject* old = *at;
+  *at = Py_NewRef(value);
+  Py_XDECREF(old);
+}
+
+// Offsets of the __slots__ of P2POp and of batch()'s works, which set_types reads from their
+// classes' member descriptors: the calls read and write them without an attribute lookup.
+struct OpSlots {
+  Py_ssize_t op, tensor, peer, tag;
+};
+struct WorkSlots {
+  Py_ssize_t said, handle, polling, timeout, keepalive, inflight, on_timeout, target,
+      expect_bytes, done, failure, callbacks, error, running;
+};
+extern OpSlots op_slots;
+extern WorkSlots work_slots;
+
 // ---------------------------------------------------------------- the communicator's calls
 
 struct Calls {
@@ -83,6 +111,8 @@ struct Calls {
   PyObject* owner;  // weak reference to the Python communicator
   PyObject* src_texts;  // ("src=0", "src=1", ...): the descriptions' root texts, one per rank
   PyObject* dst_texts;  // ("dst=0", ...)
+  PyObject* send_texts;  // ("dst=0 tag=0", ...): the descriptions' texts of tag-0 transfers
+  PyObject* recv_texts;  // ("src=0 tag=0", ...)
   Handle comm;
   int size;
   int rank;
@@ -160,6 +190,13 @@ PyObject* finish(const Calls* self, const Context& ctx, const Said& said, PyObje
 PyObject* pending_work(const Context& ctx, PyObject* desc, Handle request, const Held* held,
                        int n, PyObject* target);
 
+// Test() *request (its status into *status) until it completes, MPI returns an error (in *err),
+// or `limit` seconds pass (< 0: no limit), without the GIL, on MPIWork.wait's schedule (see
+// _compiled_transfer_work.cpp). With answer_signals, it takes the GIL back every few ms to run
+// the signal handlers. 1: complete or an MPI error; 0: the limit passed; -1: a signal handler
+// raised (the request is still pending).
+int poll(Handle* request, Status* status, double limit, bool answer_signals, int* err);
+
 bool arity(Py_ssize_t got, Py_ssize_t want, const char* name);
 
 // "src=3" or "dst=3", as the Python path's descriptions say (a new reference).
@@ -175,5 +212,15 @@ PyObject* reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* gather(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* scatter(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* batch(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+
+// The compiled methods of batch()'s works (_compiled_transfer_work.cpp), module functions taking
+// the work first.
+PyObject* transfer_test(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* transfer_wait_for(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* transfer_wait(PyObject* module, PyObject* const* args, Py_ssize_t nargs,
+                        PyObject* kwnames);
+// Work.wait (every wait the compiled one does not take) and the seconds the compiled one polls
+// before it hands over to it. False with an error set when they are not that.
+bool set_transfer_work(PyObject* wait_method, double budget);
 
 }  // namespace gradcomm_mpi

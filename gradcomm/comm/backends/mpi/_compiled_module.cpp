@@ -11,16 +11,20 @@
 //
 // The works and descriptions made here carry the attributes that MPIWork.__init__, Work.bind,
 // CompletedWork and Description.__init__ set (tests/comm/test_mpi_compiled.py compares them).
+// A transfer's work is a TransferWork (compiled.py), whose wait, _wait and _test are compiled.
 //
 // Sources: _compiled.h (shared declarations), _compiled_state.cpp (the steps every call takes),
-// _compiled_collectives.cpp, _compiled_transfers.cpp, and this file (the Calls type and the
-// module's set-up functions).
+// _compiled_collectives.cpp, _compiled_transfers.cpp, _compiled_transfer_work.cpp (the methods of
+// a transfer's work), and this file (the Calls type and the module's set-up functions).
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <structmember.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <iterator>
+#include <utility>
 
 #include <torch/csrc/Dtype.h>
 
@@ -45,6 +49,18 @@ PyMethodDef calls_methods[] = {
     {"scatter", FASTCALL(scatter), "scatter(output, input or None, src)"},
     {"batch", FASTCALL(batch), "batch(ops): post a list of P2POp, return their works"},
     {nullptr, nullptr, 0, nullptr}};
+
+// Texts "<prefix>0 tag=0", "<prefix>1 tag=0", ... into *out (a new tuple of `size`); false with
+// an error set.
+bool peer_texts(const char* prefix, int size, bool tag, PyObject** out) {
+  *out = PyTuple_New(size);
+  for (int r = 0; *out != nullptr && r < size; ++r) {
+    PyObject* text = PyUnicode_FromFormat(tag ? "%s%d tag=0" : "%s%d", prefix, r);
+    if (text == nullptr) return false;
+    PyTuple_SET_ITEM(*out, r, text);
+  }
+  return *out != nullptr;
+}
 
 bool handle_of(PyObject* obj, Handle* out) {
   const unsigned long long v = PyLong_AsUnsignedLongLong(obj);  // mpi4py sign-extends handles
@@ -74,17 +90,10 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<Calls*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
   self->owner = PyWeakref_NewRef(owner, nullptr);
-  self->src_texts = PyTuple_New(size);
-  self->dst_texts = PyTuple_New(size);
-  bool ok = self->owner != nullptr && self->src_texts != nullptr && self->dst_texts != nullptr;
-  for (int r = 0; ok && r < size; ++r) {
-    PyObject* src = PyUnicode_FromFormat("src=%d", r);
-    PyObject* dst = PyUnicode_FromFormat("dst=%d", r);
-    ok = src != nullptr && dst != nullptr;
-    if (src != nullptr) PyTuple_SET_ITEM(self->src_texts, r, src);
-    if (dst != nullptr) PyTuple_SET_ITEM(self->dst_texts, r, dst);
-  }
-  if (!ok) {
+  if (self->owner == nullptr || !peer_texts("src=", size, false, &self->src_texts) ||
+      !peer_texts("dst=", size, false, &self->dst_texts) ||
+      !peer_texts("dst=", size, true, &self->send_texts) ||
+      !peer_texts("src=", size, true, &self->recv_texts)) {
     Py_DECREF(self);
     return nullptr;
   }
@@ -100,6 +109,8 @@ void calls_dealloc(PyObject* obj) {
   Py_CLEAR(self->owner);
   Py_CLEAR(self->src_texts);
   Py_CLEAR(self->dst_texts);
+  Py_CLEAR(self->send_texts);
+  Py_CLEAR(self->recv_texts);
   Py_TYPE(obj)->tp_free(obj);
 }
 
@@ -135,6 +146,8 @@ PyObject* bind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       {"MPI_Isend", reinterpret_cast<void**>(&found.Isend)},
       {"MPI_Irecv", reinterpret_cast<void**>(&found.Irecv)},
       {"MPI_Test", reinterpret_cast<void**>(&found.Test)},
+      {"MPI_Get_count", reinterpret_cast<void**>(&found.Get_count)},
+      {"MPI_Error_class", reinterpret_cast<void**>(&found.Error_class)},
       {"MPI_Error_string", reinterpret_cast<void**>(&found.Error_string)},
   };
   for (const auto& entry : table) {
@@ -176,21 +189,69 @@ PyObject* set_datatypes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // set_types(CompletedWork, MPIWork, Description, P2POp, P2PKind.SEND, P2PKind.RECV,
-//           ReduceOp.SUM, MPI.Request.fromhandle, MPI.Status, tag_limit)
+//           ReduceOp.SUM, MPI.Request.fromhandle, tag_limit, TransferWork, Work.wait,
+//           wait_budget): TransferWork is the class of batch()'s works (an MPIWork
+// subclass whose methods are this module's transfer_*), and the seconds its wait polls before
+// it hands over to Work.wait.
+// The offsets of `type`'s object slots (its or a base's __slots__), each into its field; false
+// with a TypeError when one is not such a slot.
+bool slot_offsets(PyObject* type,
+                  std::initializer_list<std::pair<const char*, Py_ssize_t*>> fields) {
+  for (const auto& [name, out] : fields) {
+    Ref found(PyObject_GetAttrString(type, name));  // on a class: the member descriptor itself
+    if (found.p == nullptr) return false;
+    const auto* descr = reinterpret_cast<PyMemberDescrObject*>(found.p);
+    if (!Py_IS_TYPE(found.p, &PyMemberDescr_Type) || descr->d_member->type != T_OBJECT_EX ||
+        !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), PyDescr_TYPE(found.p))) {
+      PyErr_Format(PyExc_TypeError, "set_types: %R.%s is not an object slot", type, name);
+      return false;
+    }
+    *out = descr->d_member->offset;
+  }
+  return true;
+}
+
 PyObject* set_types(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 10, "set_types")) return nullptr;
-  for (int i = 0; i < 4; ++i) {
+  if (!arity(nargs, 12, "set_types")) return nullptr;
+  for (const int i : {0, 1, 2, 3, 9}) {
     if (!PyType_Check(args[i])) {
-      PyErr_SetString(PyExc_TypeError, "set_types: the first four arguments are classes");
+      PyErr_SetString(PyExc_TypeError, "set_types: arguments 1-4 and 10 are classes");
       return nullptr;
     }
   }
-  const long limit = PyLong_AsLong(args[9]);
+  const long limit = PyLong_AsLong(args[8]);
   if (limit == -1 && PyErr_Occurred()) return nullptr;
+  const double budget = PyFloat_AsDouble(args[11]);
+  if ((budget == -1.0 && PyErr_Occurred()) || !set_transfer_work(args[10], budget))
+    return nullptr;
+  OpSlots ops{};
+  WorkSlots w{};
+  if (!slot_offsets(args[3], {{"_op", &ops.op},
+                              {"_tensor", &ops.tensor},
+                              {"_peer", &ops.peer},
+                              {"_tag", &ops.tag}}) ||
+      !slot_offsets(args[9], {{"_said", &w.said},
+                               {"_handle", &w.handle},
+                               {"_polling", &w.polling},
+                               {"timeout", &w.timeout},
+                               {"_keepalive", &w.keepalive},
+                               {"_inflight", &w.inflight},
+                               {"_on_timeout", &w.on_timeout},
+                               {"_target", &w.target},
+                               {"_expect_bytes", &w.expect_bytes},
+                               {"_done", &w.done},
+                               {"_failure", &w.failure},
+                               {"_callbacks", &w.callbacks},
+                               {"_error", &w.error},
+                               {"_running", &w.running}}))
+    return nullptr;
+  op_slots = ops;
+  work_slots = w;
   PyObject** slots[] = {&types.completed_work, &types.mpi_work,  &types.description,
                         &types.p2pop,          &types.send_kind, &types.recv_kind,
-                        &types.sum,            &types.fromhandle, &types.status};
-  for (int i = 0; i < 9; ++i) Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+                        &types.sum,            &types.fromhandle};
+  for (int i = 0; i < 8; ++i) Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+  Py_XSETREF(types.transfer_work, Py_NewRef(args[9]));
   types.tag_limit = limit;
   typed = true;
   Py_RETURN_NONE;
@@ -201,7 +262,12 @@ PyMethodDef module_methods[] = {
     {"set_datatypes", FASTCALL(set_datatypes), "set_datatypes({dtype: MPI datatype handle})"},
     {"set_types", FASTCALL(set_types),
      "set_types(CompletedWork, MPIWork, Description, P2POp, SEND, RECV, SUM, fromhandle, "
-     "Status, tag_limit)"},
+     "tag_limit, TransferWork, Work.wait, wait_budget)"},
+    {"transfer_test", FASTCALL(transfer_test), "transfer_test(work): a transfer work's _test"},
+    {"transfer_wait_for", FASTCALL(transfer_wait_for),
+     "transfer_wait_for(work, timeout): a transfer work's _wait"},
+    {"transfer_wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(transfer_wait)),
+     METH_FASTCALL | METH_KEYWORDS, "transfer_wait(work, timeout=None): a transfer work's wait"},
     {nullptr, nullptr, 0, nullptr}};
 
 #define GRADCOMM_STR2(x) #x
@@ -220,14 +286,14 @@ bool intern_names() {
       {&s_stalled, "stalled"}, {&s_plain_kinds, "_plain_kinds"}, {&s_seq, "_seq"},
       {&s_p2p_seq, "_p2p_seq"}, {&s_timeout, "_timeout"}, {&s_stall_note, "_stall_note"},
       {&s_work_timeout, "timeout"}, {&s_description, "_description"}, {&s_target, "_target"},
-      {&s_request, "_request"}, {&s_expect_bytes, "_expect_bytes"}, {&s_status, "_status"},
-      {&s_keepalive, "_keepalive"}, {&s_on_timeout, "_on_timeout"}, {&s_opname, "_opname"},
-      {&s_numel, "_numel"}, {&s_tail, "_tail"}, {&s_extra, "_extra"}, {&s_label, "_label"},
+      {&s_request, "_request"}, {&s_keepalive, "_keepalive"}, {&s_on_timeout, "_on_timeout"},
+      {&s_opname, "_opname"}, {&s_numel, "_numel"}, {&s_tail, "_tail"}, {&s_extra, "_extra"},
+      {&s_label, "_label"},
       {&s_text, "_text"}, {&s_root, "root"}, {&s_splits, "splits"}, {&s_empty, ""},
       {&s_all_reduce, "all_reduce"}, {&s_reduce_scatter, "reduce_scatter"},
       {&s_all_gather, "all_gather"}, {&s_all_to_all, "all_to_all"},
       {&s_broadcast, "broadcast"}, {&s_reduce, "reduce"}, {&s_gather, "gather"},
-      {&s_scatter, "scatter"}, {&s_send, "send"}, {&s_recv, "recv"},
+      {&s_scatter, "scatter"}, {&s_send, "send"}, {&s_recv, "recv"}, {&s_finish, "_finish"},
   };
   for (const auto& name : names)
     if ((*name.slot = PyUnicode_InternFromString(name.text)) == nullptr) return false;
@@ -249,6 +315,26 @@ PyObject* init_module() {
   if (m == nullptr) return nullptr;
   if (PyModule_AddObject(m, "Calls", Py_NewRef(reinterpret_cast<PyObject*>(&calls_type))) < 0) {
     Py_DECREF(&calls_type);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  // {method name: the transfer_* function as a method} for the class of batch()'s works
+  Ref methods(PyDict_New());
+  bool ok = methods.p != nullptr;
+  const char* const pairs[][2] = {
+      {"wait", "transfer_wait"}, {"_wait", "transfer_wait_for"}, {"_test", "transfer_test"}};
+  for (const auto& pair : pairs) {
+    if (!ok) break;
+    Ref function(PyObject_GetAttrString(m, pair[1]));
+    Ref method(function.p == nullptr ? nullptr : PyInstanceMethod_New(function.p));
+    ok = method.p != nullptr && PyDict_SetItemString(methods.p, pair[0], method.p) == 0;
+  }
+  if (!ok) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  if (PyModule_AddObject(m, "transfer_methods", Py_NewRef(methods.p)) < 0) {
+    Py_DECREF(methods.p);  // the reference PyModule_AddObject did not take
     Py_DECREF(m);
     return nullptr;
   }

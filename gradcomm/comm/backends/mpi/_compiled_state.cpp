@@ -2,10 +2,7 @@
 // steps every call takes (enter, plain, finish). See _compiled_module.cpp.
 #include <Python.h>
 
-#include <sched.h>
-
 #include <algorithm>
-#include <chrono>
 #include <climits>
 
 #include <torch/csrc/DynamicTypes.h>
@@ -20,12 +17,14 @@ Handle sum_op = 0;
 Handle byte_type = 0;
 Handle datatypes[static_cast<int>(c10::ScalarType::NumOptions)] = {};
 Types types;
+OpSlots op_slots{};
+WorkSlots work_slots{};
 PyObject *s_closed, *s_cached_checks, *s_profiler, *s_inflight, *s_adapter, *s_stalls,
     *s_stalled, *s_plain_kinds, *s_seq, *s_p2p_seq, *s_timeout, *s_stall_note, *s_work_timeout,
-    *s_description, *s_target, *s_request, *s_expect_bytes, *s_status, *s_keepalive,
-    *s_on_timeout, *s_opname, *s_numel, *s_tail, *s_extra, *s_label, *s_text, *s_root, *s_splits,
-    *s_empty, *s_all_reduce, *s_reduce_scatter, *s_all_gather, *s_all_to_all, *s_broadcast,
-    *s_reduce, *s_gather, *s_scatter, *s_send, *s_recv, *empty_tuple;
+    *s_description, *s_target, *s_request, *s_keepalive, *s_on_timeout, *s_opname, *s_numel,
+    *s_tail, *s_extra, *s_label, *s_text, *s_root, *s_splits, *s_empty, *s_all_reduce,
+    *s_reduce_scatter, *s_all_gather, *s_all_to_all, *s_broadcast, *s_reduce, *s_gather,
+    *s_scatter, *s_send, *s_recv, *s_finish, *empty_tuple;
 
 PyObject* mpi_error(const char* call, int code) {
   char text[kMaxErrorString + 1] = {};
@@ -200,19 +199,7 @@ PyObject* finish(const Calls* self, const Context& ctx, const Said& said, PyObje
   if (err != 0) return mpi_error(call, err);
   const c10::Storage hold_a = a.t->storage();
   const c10::Storage hold_b = b.t == nullptr ? c10::Storage() : b.t->storage();
-  int flag = 0;
-  Py_BEGIN_ALLOW_THREADS;
-  using clock = std::chrono::steady_clock;
-  const auto start = clock::now();
-  while (true) {
-    for (int i = 0; i < 16 && flag == 0 && err == 0; ++i)
-      err = mpi.Test(&request, &flag, kStatusIgnore);
-    if (flag != 0 || err != 0) break;
-    const double waited = std::chrono::duration<double>(clock::now() - start).count();
-    if (waited >= self->budget) break;
-    if (waited >= 1e-3) sched_yield();
-  }
-  Py_END_ALLOW_THREADS;
+  const int flag = poll(&request, kStatusIgnore, self->budget, false, &err);
   if (err != 0) return mpi_error(call, err);
   Ref root(said.root < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(said.root));
   if (root.p == nullptr) return nullptr;

@@ -4,6 +4,8 @@
 
 #include <climits>
 
+#include <torch/csrc/Storage.h>
+
 #include "_compiled.h"
 
 namespace gradcomm_mpi {
@@ -11,7 +13,7 @@ namespace gradcomm_mpi {
 namespace {
 
 struct Transfer {
-  PyObject* tensor;  // borrowed from the op
+  PyObject* tensor;  // a reference Owned drops
   const at::Tensor* t;
   PyObject* tail;  // borrowed from the communicator's _plain_kinds
   int peer, tag;
@@ -19,28 +21,77 @@ struct Transfer {
   Handle request;
 };
 
-// The pending MPIWork of one posted transfer, as MPIWork(request, Description(...), timeout,
-// keepalive, inflight, expect_bytes=...) and bind(target, stall_note) make it (see
-// pending_work).
-PyObject* transfer_work(const Context& ctx, const Transfer& x) {
-  Ref extra(PyUnicode_FromFormat(x.send ? "dst=%d tag=%d" : "src=%d tag=%d", x.peer, x.tag));
-  if (extra.p == nullptr) return nullptr;
-  Ref desc(describe(ctx.owner, s_p2p_seq, x.send ? s_send : s_recv, x.t->numel(), x.tail,
-                    extra.p, Py_None, Py_None));
-  if (desc.p == nullptr) return nullptr;
-  const Held held{x.tensor, x.t};
-  // a receive's result lands in its tensor; a send has nothing to write
-  Ref work(pending_work(ctx, desc.p, x.request, &held, 1, x.send ? Py_None : x.tensor));
-  if (work.p == nullptr) return nullptr;
-  if (!x.send) {  // a receive checks the size it got
-    Ref expect(PyLong_FromSize_t(x.t->nbytes()));
-    Ref status(PyObject_CallNoArgs(types.status));
-    if (expect.p == nullptr || status.p == nullptr ||
-        PyObject_SetAttr(work.p, s_expect_bytes, expect.p) < 0 ||
-        PyObject_SetAttr(work.p, s_status, status.p) < 0)
-      return nullptr;
+// Drops the tensors of xs[0, n) at the end of a batch.
+struct Owned {
+  Transfer* xs;
+  Py_ssize_t n = 0;
+  ~Owned() {
+    for (Py_ssize_t i = 0; i < n; ++i) Py_DECREF(xs[i].tensor);
   }
-  return Py_NewRef(work.p);
+};
+
+// What the works of one batch share: the communicator's pending list, timeout, stall note and
+// transfer counter.
+struct Shared {
+  Ref inflight, timeout, on_timeout, counter;
+  explicit Shared(PyObject* owner)
+      : inflight(PyObject_GetAttr(owner, s_inflight)),
+        timeout(inflight.p == nullptr ? nullptr : PyObject_GetAttr(owner, s_timeout)),
+        on_timeout(timeout.p == nullptr ? nullptr : PyObject_GetAttr(owner, s_stall_note)),
+        counter(on_timeout.p == nullptr ? nullptr : PyObject_GetAttr(owner, s_p2p_seq)) {}
+};
+
+// The work of one posted transfer, of the class of types.transfer_work, appended to the pending
+// list. Its slots hold what MPIWork(request, Description(...), timeout, keepalive, inflight,
+// expect_bytes=...) and bind(target, stall_note) set, with two differences: the request is its
+// handle (`_handle`), and the description's parts are a tuple (`_said`), which its class's
+// `_description` turns into the Description when first read.
+PyObject* transfer_work(const Calls* self, const Shared& shared, const Transfer& x) {
+  Ref extra(x.tag == 0 ? Py_NewRef(PyTuple_GET_ITEM(x.send ? self->send_texts : self->recv_texts,
+                                                    x.peer))
+                       : PyUnicode_FromFormat(x.send ? "dst=%d tag=%d" : "src=%d tag=%d",
+                                              x.peer, x.tag));
+  Ref seq(extra.p == nullptr ? nullptr : PyIter_Next(shared.counter.p));
+  Ref numel(seq.p == nullptr ? nullptr : PyLong_FromLongLong(x.t->numel()));
+  if (numel.p == nullptr) return nullptr;
+  Ref said(PyTuple_Pack(5, x.send ? s_send : s_recv, seq.p, numel.p, x.tail, extra.p));
+  PyObject* storage = nullptr;
+  try {
+    storage = THPStorage_Wrap(x.t->storage());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "gradcomm: could not wrap a tensor's storage");
+    return nullptr;
+  }
+  Ref hold(storage);
+  Ref keep(PyTuple_Pack(2, x.tensor, storage));
+  Ref handle(PyLong_FromLong(x.request));
+  Ref expect(x.send ? Py_NewRef(Py_None) : PyLong_FromSize_t(x.t->nbytes()));
+  if (said.p == nullptr || keep.p == nullptr || handle.p == nullptr || expect.p == nullptr)
+    return nullptr;
+  auto* type = reinterpret_cast<PyTypeObject*>(types.transfer_work);
+  PyObject* work = PyBaseObject_Type.tp_new(type, empty_tuple, nullptr);
+  if (work == nullptr) return nullptr;
+  const WorkSlots& w = work_slots;
+  const struct {
+    Py_ssize_t offset;
+    PyObject* value;
+  } slots[] = {{w.said, said.p},
+               {w.handle, handle.p},
+               {w.polling, Py_False},
+               {w.timeout, shared.timeout.p},
+               {w.keepalive, keep.p},
+               {w.inflight, shared.inflight.p},
+               {w.on_timeout, shared.on_timeout.p},
+               {w.target, x.send ? Py_None : x.tensor},  // a receive's result lands there
+               {w.expect_bytes, expect.p},
+               {w.done, Py_False},
+               {w.failure, Py_None},
+               {w.callbacks, empty_tuple},
+               {w.error, Py_None},
+               {w.running, Py_False}};
+  for (const auto& slot : slots) slot_set(work, slot.offset, slot.value);
+  if (PyList_Append(shared.inflight.p, work) < 0) Py_CLEAR(work);
+  return work;
 }
 
 }  // namespace
@@ -48,8 +99,9 @@ PyObject* transfer_work(const Context& ctx, const Transfer& x) {
 // batch(ops): ops a list of 1-64 P2POp. Declines (None, nothing posted) unless every op is
 // exactly a P2POp of P2PKind SEND or RECV with a plain tensor (see plain), an int peer other than
 // this rank and an int tag in [0, tag_limit). Else posts the receives, then the sends, each kind
-// in list order (so same-tag messages still match in order), and returns their pending MPIWorks
-// in list order. An MPI error raises; what was posted is left to MPI.
+// in list order (so same-tag messages still match in order), adds their works to the pending
+// list in that order, and returns the works in list order. An MPI error raises, once every
+// transfer posted before it has its work in the pending list.
 PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
   auto* self = reinterpret_cast<Calls*>(self_);
   if (!arity(nargs, 1, "batch")) return nullptr;
@@ -59,40 +111,59 @@ PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
   if (n == 0 || n > kMaxBatch) Py_RETURN_NONE;
   ENTER_OR_DECLINE(self, ctx);
   Transfer xs[kMaxBatch];
+  Owned owned{xs};
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* op = PyList_GET_ITEM(ops, i);
-    if (reinterpret_cast<PyObject*>(Py_TYPE(op)) != types.p2pop || PyTuple_GET_SIZE(op) != 4)
-      Py_RETURN_NONE;
+    if (reinterpret_cast<PyObject*>(Py_TYPE(op)) != types.p2pop) Py_RETURN_NONE;
     Transfer& x = xs[i];
-    PyObject* kind = PyTuple_GET_ITEM(op, 0);
+    PyObject* kind = slot_get(op, op_slots.op);
+    PyObject* tensor = slot_get(op, op_slots.tensor);
+    PyObject* peer = slot_get(op, op_slots.peer);
+    PyObject* tag = slot_get(op, op_slots.tag);
+    if (kind == nullptr || tensor == nullptr || peer == nullptr || tag == nullptr)
+      Py_RETURN_NONE;  // an op made without __init__: the Python path says what is wrong
     x.send = kind == types.send_kind;
-    x.tensor = PyTuple_GET_ITEM(op, 1);
+    x.tensor = Py_NewRef(tensor);
+    owned.n = i + 1;
     Handle unused = 0;
     x.t = x.send || kind == types.recv_kind ? plain(ctx, x.tensor, &unused, &x.tail) : nullptr;
-    x.peer = rank_of(PyTuple_GET_ITEM(op, 2), self->size);
-    x.tag = rank_of(PyTuple_GET_ITEM(op, 3), static_cast<int>(types.tag_limit));
+    x.peer = rank_of(peer, self->size);
+    x.tag = rank_of(tag, static_cast<int>(types.tag_limit));
     if (x.t == nullptr || x.peer < 0 || x.peer == self->rank || x.tag < 0 ||
         x.t->nbytes() > static_cast<size_t>(INT_MAX))
       Py_RETURN_NONE;
   }
+  const Shared shared(ctx.owner);
+  if (shared.counter.p == nullptr) return nullptr;
+  bool failed_send = false;
+  Py_ssize_t order[kMaxBatch];  // the transfers posted, in posting order
+  Py_ssize_t posted = 0;
+  int err = 0;
   for (const bool sends : {false, true}) {  // receives, then sends
-    for (Py_ssize_t i = 0; i < n; ++i) {
+    for (Py_ssize_t i = 0; i < n && err == 0; ++i) {
       Transfer& x = xs[i];
       if (x.send != sends) continue;
       const int bytes = static_cast<int>(x.t->nbytes());
-      const int err = x.send ? mpi.Isend(x.t->const_data_ptr(), bytes, byte_type, x.peer, x.tag,
-                                         self->comm, &x.request)
-                             : mpi.Irecv(x.t->data_ptr(), bytes, byte_type, x.peer, x.tag,
-                                         self->comm, &x.request);
-      if (err != 0) return mpi_error(x.send ? "MPI_Isend" : "MPI_Irecv", err);
+      err = x.send ? mpi.Isend(x.t->const_data_ptr(), bytes, byte_type, x.peer, x.tag,
+                               self->comm, &x.request)
+                   : mpi.Irecv(x.t->data_ptr(), bytes, byte_type, x.peer, x.tag, self->comm,
+                               &x.request);
+      if (err == 0) order[posted++] = i;
+      else failed_send = x.send;
     }
   }
-  PyObject* works = PyList_New(n);
-  for (Py_ssize_t i = 0; works != nullptr && i < n; ++i) {
-    PyObject* work = transfer_work(ctx, xs[i]);
-    if (work == nullptr) Py_CLEAR(works);
-    else PyList_SET_ITEM(works, i, work);
+  // Every posted transfer gets its pending work, even when a later post failed: MPI still moves
+  // its data, so its buffers must stay alive and its request be completed.
+  PyObject* made[kMaxBatch] = {};
+  bool ok = true;
+  for (Py_ssize_t k = 0; k < posted && ok; ++k)
+    ok = (made[order[k]] = transfer_work(self, shared, xs[order[k]])) != nullptr;
+  PyObject* works = ok && err == 0 ? PyList_New(n) : nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (works != nullptr) PyList_SET_ITEM(works, i, made[i]);
+    else Py_XDECREF(made[i]);
   }
+  if (err != 0 && ok) return mpi_error(failed_send ? "MPI_Isend" : "MPI_Irecv", err);
   return works;
 }
 

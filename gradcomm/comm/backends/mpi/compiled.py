@@ -48,7 +48,7 @@ from ..._env_flag import env_flag
 from ..._p2p import TAG_LIMIT, P2PKind, P2POp
 from ...errors import SlowPathWarning
 from ...types import ReduceOp
-from ...work import CompletedWork, Description
+from ...work import CompletedWork, Description, Work
 from .dtypes import SUM_FAST, predefined_datatype
 from .work import MPIWork
 
@@ -63,7 +63,8 @@ ENV = "GRADCOMM_MPI_COMPILED"
 #: then waits out the communicator's timeout, answering signals meanwhile).
 BUDGET_S = 0.1
 _SOURCES = [str(Path(__file__).with_name(f"_compiled_{part}.cpp"))
-            for part in ("module", "state", "collectives", "transfers")]  # and _compiled.h
+            for part in ("module", "state", "collectives", "transfers", "transfer_work")
+            ]  # and _compiled.h
 #: Seconds after which a build lock is taken to be left by a killed build (a build takes less).
 STALE_LOCK_S = 300.0
 #: MPI_COMM_WORLD's handle in the MPICH ABI.
@@ -98,8 +99,37 @@ def _load() -> tuple[ModuleType | None, str]:
         return None, "no MPICH-ABI libmpi is loaded in this process"
     module.set_datatypes({d: predefined_datatype(d).handle for d in SUM_FAST})
     module.set_types(CompletedWork, MPIWork, Description, P2POp, P2PKind.SEND, P2PKind.RECV,
-                     ReduceOp.SUM, MPI.Request.fromhandle, MPI.Status, TAG_LIMIT)
+                     ReduceOp.SUM, MPI.Request.fromhandle, TAG_LIMIT,
+                     _transfer_work_class(module), Work.wait, BUDGET_S)
     return module, ""
+
+
+def _transfer_work_class(module: ModuleType) -> type[MPIWork]:
+    """The class of the works a compiled ``batch_isend_irecv`` returns: an :class:`MPIWork`
+    whose state is in slots, which the compiled code reads and writes at their offsets (it sets
+    every one when it makes a work); whose request is an MPI handle (``_handle``, None once
+    complete); whose description is built from its parts (``_said``) when first read; and whose
+    ``wait``, ``_wait`` and ``_test`` are ``module``'s (``_compiled_transfer_work.cpp``). A wait
+    runs no Python code unless it has a timeout argument or callbacks, or the transfer is still
+    pending after :data:`BUDGET_S`, when ``Work.wait`` takes over."""
+    namespace = {"__module__": __name__, "__doc__": _transfer_work_class.__doc__,
+                 "__slots__": _TRANSFER_SLOTS, "_description": property(_described),
+                 **module.transfer_methods}
+    return type("TransferWork", (MPIWork,), namespace)
+
+
+#: The slots of a compiled transfer's work (see _transfer_work_class and set_types).
+_TRANSFER_SLOTS = ("_said", "_handle", "_polling", "timeout", "_keepalive", "_inflight",
+                   "_on_timeout", "_target", "_expect_bytes", "_done", "_failure", "_callbacks",
+                   "_error", "_running")
+
+
+def _described(work: Any) -> Description:
+    """A compiled transfer work's Description, made from its parts when first read."""
+    said = work._said
+    if said.__class__ is tuple:
+        said = work._said = Description(*said)
+    return said  # type: ignore[no-any-return]
 
 
 def build_directory() -> Path:
