@@ -122,8 +122,12 @@ struct Calls {
 // What a call reads of its communicator once its state lets the call take this path.
 struct Context {
   PyObject* owner = nullptr;  // borrowed (the weak reference's object, alive for the call)
+  PyObject* dict = nullptr;   // its __dict__, a new reference
   PyObject* kinds = nullptr;  // its _plain_kinds: {dtype: description tail}, a new reference
-  ~Context() { Py_XDECREF(kinds); }
+  ~Context() {
+    Py_XDECREF(kinds);
+    Py_XDECREF(dict);
+  }
 };
 
 // 1 when the communicator's state lets a call take this path, as IssuePath._fast_tail asks (open,

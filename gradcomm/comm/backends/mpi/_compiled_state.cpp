@@ -71,6 +71,7 @@ int enter(const Calls* self, Context* ctx) {
   if (stalled.p == nullptr) return -1;
   if (stalled.p != Py_None) return 0;
   ctx->owner = owner;
+  ctx->dict = Py_NewRef(dict.p);
   return 1;
 }
 

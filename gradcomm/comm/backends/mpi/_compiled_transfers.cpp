@@ -31,14 +31,18 @@ struct Owned {
 };
 
 // What the works of one batch share: the communicator's pending list, timeout, stall note and
-// transfer counter.
+// transfer counter, read from its __dict__ (nullptr when one is missing there).
 struct Shared {
   Ref inflight, timeout, on_timeout, counter;
-  explicit Shared(PyObject* owner)
-      : inflight(PyObject_GetAttr(owner, s_inflight)),
-        timeout(inflight.p == nullptr ? nullptr : PyObject_GetAttr(owner, s_timeout)),
-        on_timeout(timeout.p == nullptr ? nullptr : PyObject_GetAttr(owner, s_stall_note)),
-        counter(on_timeout.p == nullptr ? nullptr : PyObject_GetAttr(owner, s_p2p_seq)) {}
+  explicit Shared(const Context& ctx)
+      : inflight(Py_XNewRef(PyDict_GetItem(ctx.dict, s_inflight))),
+        timeout(Py_XNewRef(PyDict_GetItem(ctx.dict, s_timeout))),
+        on_timeout(Py_XNewRef(PyDict_GetItem(ctx.dict, s_stall_note))),
+        counter(Py_XNewRef(PyDict_GetItem(ctx.dict, s_p2p_seq))) {}
+  bool complete() const {
+    return inflight.p != nullptr && timeout.p != nullptr && on_timeout.p != nullptr &&
+           counter.p != nullptr;
+  }
 };
 
 // The work of one posted transfer, of the class of types.transfer_work, appended to the pending
@@ -133,8 +137,8 @@ PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
         x.t->nbytes() > static_cast<size_t>(INT_MAX))
       Py_RETURN_NONE;
   }
-  const Shared shared(ctx.owner);
-  if (shared.counter.p == nullptr) return nullptr;
+  const Shared shared(ctx);
+  if (!shared.complete()) Py_RETURN_NONE;
   bool failed_send = false;
   Py_ssize_t order[kMaxBatch];  // the transfers posted, in posting order
   Py_ssize_t posted = 0;
