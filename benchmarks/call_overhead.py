@@ -135,10 +135,12 @@ def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int) -> dict[str, Callable[[
     def ring() -> list[Any]:
         return [raw.Isend(b, right), raw.Irecv(o, left)]
 
-    calls["sendrecv"] = (
-        lambda: [w.wait() for w in comm.batch_isend_irecv(
-            [P2POp("send", big, right), P2POp("recv", other, left)])],
-        ring, lambda: raw.Sendrecv(b, right, recvbuf=o, source=left))
+    def exchange() -> None:  # as torch's docs wait on a batch's works
+        for work in comm.batch_isend_irecv([P2POp("send", big, right),
+                                            P2POp("recv", other, left)]):
+            work.wait()
+
+    calls["sendrecv"] = (exchange, ring, lambda: raw.Sendrecv(b, right, recvbuf=o, source=left))
     ours, post, blocking = calls[op]
     if other is big:
         probed: tuple[torch.Tensor, ...] = (big,)

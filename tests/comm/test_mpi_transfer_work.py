@@ -35,6 +35,11 @@ def _ring(comm: Communicator, n: int, tag: int = 0) -> tuple[list[Any], torch.Te
     return comm.batch_isend_irecv(ops), got
 
 
+def _ops(comm: Communicator, got: torch.Tensor) -> list[P2POp]:
+    peer = 1 - comm.rank
+    return [P2POp("send", torch.ones_like(got), peer), P2POp("recv", got, peer)]
+
+
 def waits(comm: Communicator) -> dict[str, Any]:
     """Callbacks, a callback's error, is_completed polling and the class of the works."""
     out: dict[str, Any] = {}
@@ -60,6 +65,21 @@ def waits(comm: Communicator) -> dict[str, Any]:
     out["polled"] = got[-1].item()
     out["done"] = [w.is_completed() and w._handle is None and w._keepalive is None  # type: ignore[attr-defined]
                    for w in works]
+    # the compiled batch_isend_irecv is bound to the instance; a call it declines (a tuple) is
+    # its class's; once closed the class's raises
+    out["bound"] = "batch_isend_irecv" in vars(comm)
+    with pytest.raises(TypeError, match=r"batch_isend_irecv\(\) takes 1 argument"):
+        comm.batch_isend_irecv()  # type: ignore[call-arg]
+    works = comm.batch_isend_irecv(tuple(_ops(comm, got)))
+    out["declined kinds"] = [type(w).__name__ for w in works]
+    for w in works:
+        w.wait()
+    sub = comm.split(0)
+    assert sub is not None
+    sub.close()
+    out["unbound"] = "batch_isend_irecv" not in vars(sub)
+    with pytest.raises(RuntimeError, match="closed"):
+        sub.batch_isend_irecv(_ops(sub, got))
     out["pending"] = len(comm._inflight)  # type: ignore[attr-defined]
     return out
 
@@ -74,6 +94,7 @@ def test_transfer_works_run_callbacks_and_complete_by_polling(
         assert torch.equal(got["got"], torch.arange(5.0) + 10 * peer)
         assert got["polled"] == (1 << 16) - 1 + 10 * peer
         assert got["done"] == [True, True] and got["pending"] == 0
+        assert got["bound"] and got["unbound"] and got["declined kinds"] == ["MPIWork"] * 2
 
 
 def late(comm: Communicator) -> dict[str, Any]:

@@ -57,6 +57,7 @@ struct Types {
   PyObject* sum = nullptr;             // ReduceOp.SUM
   PyObject* fromhandle = nullptr;      // MPI.Request.fromhandle
   PyObject* transfer_work = nullptr;   // the class of batch()'s works (compiled.py)
+  PyObject* python_batch = nullptr;    // (comm, ops) -> its class's batch_isend_irecv(ops)
   long tag_limit = 0;
 };
 extern Types types;
@@ -216,6 +217,7 @@ PyObject* reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* gather(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* scatter(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* batch(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+PyObject* batch_isend_irecv(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 
 // The compiled methods of batch()'s works (_compiled_transfer_work.cpp), module functions taking
 // the work first.

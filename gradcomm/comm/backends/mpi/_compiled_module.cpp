@@ -48,6 +48,9 @@ PyMethodDef calls_methods[] = {
     {"gather", FASTCALL(gather), "gather(output or None, input, dst)"},
     {"scatter", FASTCALL(scatter), "scatter(output, input or None, src)"},
     {"batch", FASTCALL(batch), "batch(ops): post a list of P2POp, return their works"},
+    {"batch_isend_irecv", FASTCALL(batch_isend_irecv),
+     "batch_isend_irecv(ops): post a list of P2POp at once, return their works "
+     "(Communicator.batch_isend_irecv, compiled)"},
     {nullptr, nullptr, 0, nullptr}};
 
 // Texts "<prefix>0 tag=0", "<prefix>1 tag=0", ... into *out (a new tuple of `size`); false with
@@ -190,9 +193,9 @@ PyObject* set_datatypes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // set_types(CompletedWork, MPIWork, Description, P2POp, P2PKind.SEND, P2PKind.RECV,
 //           ReduceOp.SUM, MPI.Request.fromhandle, tag_limit, TransferWork, Work.wait,
-//           wait_budget): TransferWork is the class of batch()'s works (an MPIWork
-// subclass whose methods are this module's transfer_*), and the seconds its wait polls before
-// it hands over to Work.wait.
+//           wait_budget, python_batch): TransferWork is the class of batch()'s works (an MPIWork
+// subclass whose methods are this module's transfer_*), wait_budget the seconds its wait polls
+// before it hands over to Work.wait, python_batch(comm, ops) the Python batch_isend_irecv.
 // The offsets of `type`'s object slots (its or a base's __slots__), each into its field; false
 // with a TypeError when one is not such a slot.
 bool slot_offsets(PyObject* type,
@@ -212,7 +215,7 @@ bool slot_offsets(PyObject* type,
 }
 
 PyObject* set_types(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 12, "set_types")) return nullptr;
+  if (!arity(nargs, 13, "set_types")) return nullptr;
   for (const int i : {0, 1, 2, 3, 9}) {
     if (!PyType_Check(args[i])) {
       PyErr_SetString(PyExc_TypeError, "set_types: arguments 1-4 and 10 are classes");
@@ -252,6 +255,7 @@ PyObject* set_types(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                         &types.sum,            &types.fromhandle};
   for (int i = 0; i < 8; ++i) Py_XSETREF(*slots[i], Py_NewRef(args[i]));
   Py_XSETREF(types.transfer_work, Py_NewRef(args[9]));
+  Py_XSETREF(types.python_batch, Py_NewRef(args[12]));
   types.tag_limit = limit;
   typed = true;
   Py_RETURN_NONE;
@@ -262,7 +266,7 @@ PyMethodDef module_methods[] = {
     {"set_datatypes", FASTCALL(set_datatypes), "set_datatypes({dtype: MPI datatype handle})"},
     {"set_types", FASTCALL(set_types),
      "set_types(CompletedWork, MPIWork, Description, P2POp, SEND, RECV, SUM, fromhandle, "
-     "tag_limit, TransferWork, Work.wait, wait_budget)"},
+     "tag_limit, TransferWork, Work.wait, wait_budget, python_batch)"},
     {"transfer_test", FASTCALL(transfer_test), "transfer_test(work): a transfer work's _test"},
     {"transfer_wait_for", FASTCALL(transfer_wait_for),
      "transfer_wait_for(work, timeout): a transfer work's _wait"},

@@ -171,4 +171,25 @@ PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
   return works;
 }
 
+// batch_isend_irecv(ops): the communicator's batch_isend_irecv, bound to the instance in place of
+// its class's (see MPICommunicator._attach): batch(ops), or, when that declines, the class's
+// method, which checks and raises as always.
+PyObject* batch_isend_irecv(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1) {
+    PyErr_Format(PyExc_TypeError, "batch_isend_irecv() takes 1 argument, ops (%zd given)", nargs);
+    return nullptr;
+  }
+  PyObject* works = batch(self_, args, nargs);
+  if (works != Py_None) return works;  // the works, or an error
+  Py_DECREF(works);
+  PyObject* owner = PyWeakref_GetObject(reinterpret_cast<Calls*>(self_)->owner);
+  if (owner == nullptr) return nullptr;
+  if (owner == Py_None) {
+    PyErr_SetString(PyExc_RuntimeError, "batch_isend_irecv: its communicator no longer exists");
+    return nullptr;
+  }
+  PyObject* call[] = {owner, args[0]};
+  return PyObject_Vectorcall(types.python_batch, call, 2, nullptr);
+}
+
 }  // namespace gradcomm_mpi

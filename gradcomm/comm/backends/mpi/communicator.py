@@ -173,6 +173,10 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
         self._cuda_reason = ""
         self._compiled = compiled.calls(self, comm, launch.world_size, launch.rank,
                                         wanted=self._on_cpu)
+        if self._compiled is not None:
+            # The compiled batch_isend_irecv, bound to this instance: a ring exchange runs no
+            # Python frame of gradcomm's (it calls the class's method when it declines).
+            vars(self)["batch_isend_irecv"] = self._compiled.batch_isend_irecv
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:
@@ -309,6 +313,7 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
     def _close(self) -> None:
         comm, self._comm = self._comm, None
         self._compiled = None
+        vars(self).pop("batch_isend_irecv", None)
         if comm is None or MPI.Is_finalized():
             return
         for work in list(self._inflight):

@@ -100,7 +100,7 @@ def _load() -> tuple[ModuleType | None, str]:
     module.set_datatypes({d: predefined_datatype(d).handle for d in SUM_FAST})
     module.set_types(CompletedWork, MPIWork, Description, P2POp, P2PKind.SEND, P2PKind.RECV,
                      ReduceOp.SUM, MPI.Request.fromhandle, TAG_LIMIT,
-                     _transfer_work_class(module), Work.wait, BUDGET_S)
+                     _transfer_work_class(module), Work.wait, BUDGET_S, _python_batch)
     return module, ""
 
 
@@ -122,6 +122,12 @@ def _transfer_work_class(module: ModuleType) -> type[MPIWork]:
 _TRANSFER_SLOTS = ("_said", "_handle", "_polling", "timeout", "_keepalive", "_inflight",
                    "_on_timeout", "_target", "_expect_bytes", "_done", "_failure", "_callbacks",
                    "_error", "_running")
+
+
+def _python_batch(comm: Any, ops: Any) -> Any:
+    """The batch_isend_irecv of ``comm``'s class: what the compiled one bound to ``comm`` (see
+    ``MPICommunicator._attach``) calls when it declines."""
+    return type(comm).batch_isend_irecv(comm, ops)
 
 
 def _described(work: Any) -> Description:

@@ -1,7 +1,8 @@
 """The MPI communicator's calls through the compiled calls (:mod:`.compiled`).
 
-Each blocking collective of :class:`CompiledCalls`, and ``batch_isend_irecv``, first offers the
-call to the compiled calls of its communicator. They decline (None) any call the Python short
+Each blocking collective of :class:`CompiledCalls` first offers the call to the compiled calls of
+its communicator (``batch_isend_irecv`` is theirs, bound to the instance: see
+``MPICommunicator._attach``). They decline (None) any call the Python short
 path of :mod:`gradcomm.comm._issue` would not take, and then the inherited Python method runs,
 checks and raises as always. The arguments and results are those of
 :class:`~gradcomm.comm.Communicator`'s methods, whose docstrings apply.
@@ -9,12 +10,10 @@ checks and raises as always. The arguments and results are those of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..._p2p import P2POp
 from ...communicator import Communicator
 from ...types import ReduceOp
 from ...work import CompletedWork, Work
@@ -26,7 +25,7 @@ _DONE = CompletedWork
 
 
 class CompiledCalls(Communicator):
-    """Blocking collectives and batches of transfers of plain CPU tensors in one compiled call
+    """Blocking collectives of plain CPU tensors in one compiled call
     (see the module docstring).
 
     ``_compiled`` is the communicator's ``Calls`` object (None: off, closed, or device memory),
@@ -118,11 +117,3 @@ class CompiledCalls(Communicator):
             if work is not None:
                 return work if work.__class__ is _DONE else self._complete(work, False, output)
         return super().scatter(output, input, src, async_op=async_op)
-
-    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
-        calls = self._compiled
-        if calls is not None and ops.__class__ is list:
-            works = calls.batch(ops)  # the pending MPIWorks, or None: declined
-            if works is not None:
-                return works  # type: ignore[no-any-return]
-        return super().batch_isend_irecv(ops)
