@@ -1,8 +1,9 @@
 """The works of a compiled ``batch_isend_irecv`` on MPI (``TransferWork``: compiled wait, _wait
-and _test; gradcomm/comm/backends/mpi/_compiled_transfer_work.cpp), under real ``mpiexec`` with 2
-ranks: callbacks, timeouts, polling with is_completed, two threads waiting on one work, an
-interrupt during a wait, an MPI error, and the methods on a foreign object. Values are checked
-against what the peer sent.
+and _test; gradcomm/comm/backends/mpi/_compiled_transfer_work.cpp), under real ``mpiexec`` with
+2-4 ranks: callbacks, timeouts, polling with is_completed, two threads waiting on one work, an
+interrupt during a wait, an MPI error, the methods on a foreign object, the instance-bound
+``batch_isend_irecv`` (keywords, patches, overrides), and batches to every peer up to and past
+the compiled limit. Values are checked against what the peers sent.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def waits(comm: Communicator) -> dict[str, Any]:
     # the compiled batch_isend_irecv is bound to the instance; a call it declines (a tuple) is
     # its class's; once closed the class's raises
     out["bound"] = "batch_isend_irecv" in vars(comm)
-    with pytest.raises(TypeError, match=r"batch_isend_irecv\(\) takes 1 argument"):
+    with pytest.raises(TypeError, match=r"batch_isend_irecv\(\) takes one argument, ops"):
         comm.batch_isend_irecv()  # type: ignore[call-arg]
     works = comm.batch_isend_irecv(tuple(_ops(comm, got)))
     out["declined kinds"] = [type(w).__name__ for w in works]
@@ -188,3 +189,90 @@ def test_two_threads_wait_on_one_transfer_and_errors_are_kept(
         errors, ran, last = got["threads"]
         assert errors == [] and ran == [1] and last == (1 << 14) - 1 + 10 * (1 - r)
         assert got["pending"] == 0
+
+
+def api(comm: Communicator) -> dict[str, Any]:
+    """The bound batch_isend_irecv takes ops= by keyword, honours a patch of the class's method
+    and a subclass's override (both then run the Python path), and holds its communicator."""
+    from unittest import mock
+
+    from gradcomm.comm._p2p import PointToPoint
+
+    out: dict[str, Any] = {}
+    comm.all_reduce(torch.zeros(1))
+    got = torch.zeros(4)
+
+    def kinds(works: list[Any]) -> list[str]:
+        for w in works:
+            w.wait()
+        return [type(w).__name__ for w in works]
+
+    out["keyword"] = kinds(comm.batch_isend_irecv(ops=_ops(comm, got)))
+    with mock.patch.object(type(comm), "batch_isend_irecv", autospec=True,
+                           side_effect=PointToPoint.batch_isend_irecv) as spy:
+        out["patched"] = kinds(comm.batch_isend_irecv(_ops(comm, got)))
+    out["patch calls"] = spy.call_count
+    base = type(comm)
+
+    class Traced(base):  # type: ignore[valid-type, misc]
+        calls = 0
+
+        def batch_isend_irecv(self, ops: Any) -> list[Any]:
+            Traced.calls += 1
+            return super().batch_isend_irecv(ops)  # type: ignore[no-any-return]
+
+    comm.__class__ = Traced
+    try:
+        out["override"] = kinds(comm.batch_isend_irecv(_ops(comm, got)))
+    finally:
+        comm.__class__ = base
+    out["override calls"] = Traced.calls
+    out["after"] = kinds(comm.batch_isend_irecv(_ops(comm, got)))
+    out["holds"] = comm.batch_isend_irecv.__self__ is comm  # type: ignore[attr-defined]
+    out["got"] = got.clone()
+    return out
+
+
+@MPI_ONLY
+def test_the_bound_batch_honours_keywords_patches_and_overrides(
+        comm_runner: ranks.RankRunner) -> None:
+    for got in comm_runner(api, 2, timeout=90):
+        assert got["keyword"] == ["TransferWork"] * 2 and got["after"] == ["TransferWork"] * 2
+        assert got["patched"] == ["MPIWork"] * 2 and got["patch calls"] == 1
+        assert got["override"] == ["MPIWork"] * 2 and got["override calls"] == 1
+        assert got["holds"] and torch.equal(got["got"], torch.ones(4))
+
+
+def many(comm: Communicator) -> dict[int, Any]:
+    """Batches to and from every other rank on several tags, in a mixed order: at most 64 ops
+    through the compiled batch, a few more through the Python path; every receive's values."""
+    comm.all_reduce(torch.zeros(1))
+    n, r = comm.world_size, comm.rank
+    peers = [p for p in range(n) if p != r]
+    out: dict[int, Any] = {}
+    most = 64 // (2 * (n - 1))
+    for tags in (most, most + 1):
+        sends = [P2POp("send", torch.full((3,), 1000.0 * r + 10 * p + t), p, t)
+                 for p in peers for t in range(tags)]
+        boxes = {(q, t): torch.zeros(3) for q in peers for t in range(tags)}
+        recvs = [P2POp("recv", box, q, t) for (q, t), box in boxes.items()]
+        ops = [op for pair in zip(recvs[::-1], sends, strict=True) for op in pair]
+        works = comm.batch_isend_irecv(ops)
+        kinds = sorted({type(w).__name__ for w in works})
+        for w in works:
+            w.wait()
+        right = all(torch.equal(box, torch.full((3,), 1000.0 * q + 10 * r + t))
+                    for (q, t), box in boxes.items())
+        out[len(ops)] = (kinds, right)
+    return out
+
+
+@MPI_ONLY
+@pytest.mark.parametrize("n", [3, 4])
+def test_batches_to_every_peer_up_to_and_past_the_compiled_limit(
+        comm_runner: ranks.RankRunner, n: int) -> None:
+    most = 64 // (2 * (n - 1))
+    small, large = 2 * (n - 1) * most, 2 * (n - 1) * (most + 1)
+    assert small <= 64 < large
+    for got in comm_runner(many, n, timeout=120):
+        assert got == {small: (["TransferWork"], True), large: (["MPIWork"], True)}

@@ -57,7 +57,7 @@ struct Types {
   PyObject* sum = nullptr;             // ReduceOp.SUM
   PyObject* fromhandle = nullptr;      // MPI.Request.fromhandle
   PyObject* transfer_work = nullptr;   // the class of batch()'s works (compiled.py)
-  PyObject* python_batch = nullptr;    // (comm, ops) -> its class's batch_isend_irecv(ops)
+  PyObject* batch_method = nullptr;    // Communicator.batch_isend_irecv, the compiled one's base
   long tag_limit = 0;
 };
 extern Types types;
@@ -68,7 +68,7 @@ extern PyObject *s_closed, *s_cached_checks, *s_profiler, *s_inflight, *s_adapte
     *s_description, *s_target, *s_request, *s_keepalive, *s_on_timeout, *s_opname, *s_numel,
     *s_tail, *s_extra, *s_label, *s_text, *s_root, *s_splits, *s_empty, *s_all_reduce,
     *s_reduce_scatter, *s_all_gather, *s_all_to_all, *s_broadcast, *s_reduce, *s_gather,
-    *s_scatter, *s_send, *s_recv, *s_finish, *empty_tuple;
+    *s_scatter, *s_send, *s_recv, *s_finish, *s_batch_isend_irecv, *s_compiled, *empty_tuple;
 
 // A new reference, dropped at the end of its scope.
 struct Ref {
@@ -106,6 +106,8 @@ extern OpSlots op_slots;
 extern WorkSlots work_slots;
 
 // ---------------------------------------------------------------- the communicator's calls
+
+extern PyTypeObject calls_type;  // Calls (_compiled_module.cpp)
 
 struct Calls {
   PyObject_HEAD
@@ -217,7 +219,8 @@ PyObject* reduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* gather(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* scatter(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 PyObject* batch(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
-PyObject* batch_isend_irecv(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+PyObject* batch_isend_irecv(PyObject* module, PyObject* const* args, Py_ssize_t nargs,
+                            PyObject* kwnames);
 
 // The compiled methods of batch()'s works (_compiled_transfer_work.cpp), module functions taking
 // the work first.

@@ -48,9 +48,7 @@ PyMethodDef calls_methods[] = {
     {"gather", FASTCALL(gather), "gather(output or None, input, dst)"},
     {"scatter", FASTCALL(scatter), "scatter(output, input or None, src)"},
     {"batch", FASTCALL(batch), "batch(ops): post a list of P2POp, return their works"},
-    {"batch_isend_irecv", FASTCALL(batch_isend_irecv),
-     "batch_isend_irecv(ops): post a list of P2POp at once, return their works "
-     "(Communicator.batch_isend_irecv, compiled)"},
+
     {nullptr, nullptr, 0, nullptr}};
 
 // Texts "<prefix>0 tag=0", "<prefix>1 tag=0", ... into *out (a new tuple of `size`); false with
@@ -117,7 +115,6 @@ void calls_dealloc(PyObject* obj) {
   Py_TYPE(obj)->tp_free(obj);
 }
 
-PyTypeObject calls_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // ---------------------------------------------------------------- module functions
 
@@ -193,9 +190,10 @@ PyObject* set_datatypes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // set_types(CompletedWork, MPIWork, Description, P2POp, P2PKind.SEND, P2PKind.RECV,
 //           ReduceOp.SUM, MPI.Request.fromhandle, tag_limit, TransferWork, Work.wait,
-//           wait_budget, python_batch): TransferWork is the class of batch()'s works (an MPIWork
+//           wait_budget, batch_method): TransferWork is the class of batch()'s works (an MPIWork
 // subclass whose methods are this module's transfer_*), wait_budget the seconds its wait polls
-// before it hands over to Work.wait, python_batch(comm, ops) the Python batch_isend_irecv.
+// before it hands over to Work.wait, batch_method the Python batch_isend_irecv that the
+// compiled one stands in for.
 // The offsets of `type`'s object slots (its or a base's __slots__), each into its field; false
 // with a TypeError when one is not such a slot.
 bool slot_offsets(PyObject* type,
@@ -255,7 +253,7 @@ PyObject* set_types(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                         &types.sum,            &types.fromhandle};
   for (int i = 0; i < 8; ++i) Py_XSETREF(*slots[i], Py_NewRef(args[i]));
   Py_XSETREF(types.transfer_work, Py_NewRef(args[9]));
-  Py_XSETREF(types.python_batch, Py_NewRef(args[12]));
+  Py_XSETREF(types.batch_method, Py_NewRef(args[12]));
   types.tag_limit = limit;
   typed = true;
   Py_RETURN_NONE;
@@ -266,8 +264,14 @@ PyMethodDef module_methods[] = {
     {"set_datatypes", FASTCALL(set_datatypes), "set_datatypes({dtype: MPI datatype handle})"},
     {"set_types", FASTCALL(set_types),
      "set_types(CompletedWork, MPIWork, Description, P2POp, SEND, RECV, SUM, fromhandle, "
-     "tag_limit, TransferWork, Work.wait, wait_budget, python_batch)"},
+     "tag_limit, TransferWork, Work.wait, wait_budget, batch_method)"},
     {"transfer_test", FASTCALL(transfer_test), "transfer_test(work): a transfer work's _test"},
+    {"batch_isend_irecv",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(batch_isend_irecv)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "batch_isend_irecv($module, comm, /, ops)\n--\n\n"
+     "Post a list of P2POp at once and return their works: Communicator.batch_isend_irecv "
+     "in compiled code, bound to an MPI communicator (compiled.bind_batch)."},
     {"transfer_wait_for", FASTCALL(transfer_wait_for),
      "transfer_wait_for(work, timeout): a transfer work's _wait"},
     {"transfer_wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(transfer_wait)),
@@ -298,6 +302,7 @@ bool intern_names() {
       {&s_all_gather, "all_gather"}, {&s_all_to_all, "all_to_all"},
       {&s_broadcast, "broadcast"}, {&s_reduce, "reduce"}, {&s_gather, "gather"},
       {&s_scatter, "scatter"}, {&s_send, "send"}, {&s_recv, "recv"}, {&s_finish, "_finish"},
+      {&s_batch_isend_irecv, "batch_isend_irecv"}, {&s_compiled, "_compiled"},
   };
   for (const auto& name : names)
     if ((*name.slot = PyUnicode_InternFromString(name.text)) == nullptr) return false;

@@ -24,7 +24,8 @@ PyObject *s_closed, *s_cached_checks, *s_profiler, *s_inflight, *s_adapter, *s_s
     *s_description, *s_target, *s_request, *s_keepalive, *s_on_timeout, *s_opname, *s_numel,
     *s_tail, *s_extra, *s_label, *s_text, *s_root, *s_splits, *s_empty, *s_all_reduce,
     *s_reduce_scatter, *s_all_gather, *s_all_to_all, *s_broadcast, *s_reduce, *s_gather,
-    *s_scatter, *s_send, *s_recv, *s_finish, *empty_tuple;
+    *s_scatter, *s_send, *s_recv, *s_finish, *s_batch_isend_irecv, *s_compiled, *empty_tuple;
+PyTypeObject calls_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyObject* mpi_error(const char* call, int code) {
   char text[kMaxErrorString + 1] = {};

@@ -258,7 +258,10 @@ PyObject* transfer_wait(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyOb
   const int have = handle_of_work(self, &request);
   if (have < 0) return nullptr;
   PyObject* timeout = get(self, w.timeout);
-  const double t = PyFloat_CheckExact(timeout) ? PyFloat_AS_DOUBLE(timeout) : -1.0;
+  const double t = PyFloat_CheckExact(timeout)  ? PyFloat_AS_DOUBLE(timeout)
+                   : PyLong_CheckExact(timeout) ? PyLong_AsDouble(timeout)
+                                                : -1.0;
+  if (t == -1.0 && PyErr_Occurred()) PyErr_Clear();  // an int too large: Work.wait's case
   // a timeout argument, one this wait cannot take, a work done, failed or polled by another
   // thread: Work.wait's case
   if (kwnames != nullptr || nargs > 2 || (nargs == 2 && args[1] != Py_None) || have == 0 ||

@@ -50,15 +50,15 @@ struct Shared {
 // expect_bytes=...) and bind(target, stall_note) set, with two differences: the request is its
 // handle (`_handle`), and the description's parts are a tuple (`_said`), which its class's
 // `_description` turns into the Description when first read.
-PyObject* transfer_work(const Calls* self, const Shared& shared, const Transfer& x) {
+PyObject* transfer_work(const Calls* self, const Shared& shared, const Transfer& x,
+                        PyObject* seq) {
   Ref extra(x.tag == 0 ? Py_NewRef(PyTuple_GET_ITEM(x.send ? self->send_texts : self->recv_texts,
                                                     x.peer))
                        : PyUnicode_FromFormat(x.send ? "dst=%d tag=%d" : "src=%d tag=%d",
                                               x.peer, x.tag));
-  Ref seq(extra.p == nullptr ? nullptr : PyIter_Next(shared.counter.p));
-  Ref numel(seq.p == nullptr ? nullptr : PyLong_FromLongLong(x.t->numel()));
+  Ref numel(extra.p == nullptr ? nullptr : PyLong_FromLongLong(x.t->numel()));
   if (numel.p == nullptr) return nullptr;
-  Ref said(PyTuple_Pack(5, x.send ? s_send : s_recv, seq.p, numel.p, x.tail, extra.p));
+  Ref said(PyTuple_Pack(5, x.send ? s_send : s_recv, seq, numel.p, x.tail, extra.p));
   PyObject* storage = nullptr;
   try {
     storage = THPStorage_Wrap(x.t->storage());
@@ -159,9 +159,12 @@ PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
   // Every posted transfer gets its pending work, even when a later post failed: MPI still moves
   // its data, so its buffers must stay alive and its request be completed.
   PyObject* made[kMaxBatch] = {};
+  PyObject* seqs[kMaxBatch] = {};  // numbered in list order, as the Python path numbers them
   bool ok = true;
+  for (Py_ssize_t i = 0; i < n && ok; ++i) ok = (seqs[i] = PyIter_Next(shared.counter.p)) != nullptr;
   for (Py_ssize_t k = 0; k < posted && ok; ++k)
-    ok = (made[order[k]] = transfer_work(self, shared, xs[order[k]])) != nullptr;
+    ok = (made[order[k]] = transfer_work(self, shared, xs[order[k]], seqs[order[k]])) != nullptr;
+  for (PyObject* seq : seqs) Py_XDECREF(seq);
   PyObject* works = ok && err == 0 ? PyList_New(n) : nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (works != nullptr) PyList_SET_ITEM(works, i, made[i]);
@@ -171,25 +174,33 @@ PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
   return works;
 }
 
-// batch_isend_irecv(ops): the communicator's batch_isend_irecv, bound to the instance in place of
-// its class's (see MPICommunicator._attach): batch(ops), or, when that declines, the class's
-// method, which checks and raises as always.
-PyObject* batch_isend_irecv(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 1) {
-    PyErr_Format(PyExc_TypeError, "batch_isend_irecv() takes 1 argument, ops (%zd given)", nargs);
+// batch_isend_irecv(comm, ops): the MPI communicator's batch_isend_irecv, bound to each
+// instance (compiled.bind_batch): the compiled batch of comm's Calls, unless comm's class has
+// another batch_isend_irecv than the one it was bound for (a subclass's override, a patch), or the
+// batch declines; then the class's method, which checks and raises as always.
+PyObject* batch_isend_irecv(PyObject*, PyObject* const* args, Py_ssize_t nargs,
+                            PyObject* kwnames) {
+  const Py_ssize_t given = nargs + (kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames));
+  if (given != 2 || nargs < 1 ||
+      (kwnames != nullptr &&
+       PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "ops") != 0)) {
+    PyErr_SetString(PyExc_TypeError, "batch_isend_irecv() takes one argument, ops");
     return nullptr;
   }
-  PyObject* works = batch(self_, args, nargs);
-  if (works != Py_None) return works;  // the works, or an error
-  Py_DECREF(works);
-  PyObject* owner = PyWeakref_GetObject(reinterpret_cast<Calls*>(self_)->owner);
-  if (owner == nullptr) return nullptr;
-  if (owner == Py_None) {
-    PyErr_SetString(PyExc_RuntimeError, "batch_isend_irecv: its communicator no longer exists");
-    return nullptr;
+  PyObject *comm = args[0], *ops = args[1];
+  Ref method(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(comm)), s_batch_isend_irecv));
+  if (method.p == nullptr) return nullptr;
+  if (method.p == types.batch_method) {
+    Ref calls(PyObject_GetAttr(comm, s_compiled));
+    if (calls.p == nullptr) return nullptr;
+    if (Py_IS_TYPE(calls.p, &calls_type)) {
+      PyObject* works = batch(calls.p, &ops, 1);
+      if (works != Py_None) return works;  // the works, or an error
+      Py_DECREF(works);
+    }
   }
-  PyObject* call[] = {owner, args[0]};
-  return PyObject_Vectorcall(types.python_batch, call, 2, nullptr);
+  PyObject* call[] = {comm, ops};
+  return PyObject_Vectorcall(method.p, call, 2, nullptr);
 }
 
 }  // namespace gradcomm_mpi

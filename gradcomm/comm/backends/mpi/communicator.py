@@ -174,9 +174,7 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
         self._compiled = compiled.calls(self, comm, launch.world_size, launch.rank,
                                         wanted=self._on_cpu)
         if self._compiled is not None:
-            # The compiled batch_isend_irecv, bound to this instance: a ring exchange runs no
-            # Python frame of gradcomm's (it calls the class's method when it declines).
-            vars(self)["batch_isend_irecv"] = self._compiled.batch_isend_irecv
+            compiled.bind_batch(self)
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:

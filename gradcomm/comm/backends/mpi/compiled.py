@@ -38,21 +38,21 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from types import ModuleType
+from types import MethodType, ModuleType
 from typing import Any
 
 import torch
 from mpi4py import MPI
 
 from ..._env_flag import env_flag
-from ..._p2p import TAG_LIMIT, P2PKind, P2POp
+from ..._p2p import TAG_LIMIT, P2PKind, P2POp, PointToPoint
 from ...errors import SlowPathWarning
 from ...types import ReduceOp
 from ...work import CompletedWork, Description, Work
 from .dtypes import SUM_FAST, predefined_datatype
 from .work import MPIWork
 
-__all__ = ["BUDGET_S", "ENV", "STALE_LOCK_S", "build_directory", "calls", "load",
+__all__ = ["BUDGET_S", "ENV", "STALE_LOCK_S", "bind_batch", "build_directory", "calls", "load",
            "unavailable_reason", "wait_for_lock"]
 
 logger = logging.getLogger("gradcomm.comm.mpi")
@@ -100,7 +100,8 @@ def _load() -> tuple[ModuleType | None, str]:
     module.set_datatypes({d: predefined_datatype(d).handle for d in SUM_FAST})
     module.set_types(CompletedWork, MPIWork, Description, P2POp, P2PKind.SEND, P2PKind.RECV,
                      ReduceOp.SUM, MPI.Request.fromhandle, TAG_LIMIT,
-                     _transfer_work_class(module), Work.wait, BUDGET_S, _python_batch)
+                     _transfer_work_class(module), Work.wait, BUDGET_S,
+                     PointToPoint.batch_isend_irecv)
     return module, ""
 
 
@@ -122,12 +123,6 @@ def _transfer_work_class(module: ModuleType) -> type[MPIWork]:
 _TRANSFER_SLOTS = ("_said", "_handle", "_polling", "timeout", "_keepalive", "_inflight",
                    "_on_timeout", "_target", "_expect_bytes", "_done", "_failure", "_callbacks",
                    "_error", "_running")
-
-
-def _python_batch(comm: Any, ops: Any) -> Any:
-    """The batch_isend_irecv of ``comm``'s class: what the compiled one bound to ``comm`` (see
-    ``MPICommunicator._attach``) calls when it declines."""
-    return type(comm).batch_isend_irecv(comm, ops)
 
 
 def _described(work: Any) -> Description:
@@ -256,3 +251,14 @@ def calls(owner: Any, comm: Any, size: int, rank: int, wanted: bool) -> Any:
         return None
     module = load()  # reads and checks the variable
     return None if module is None else module.Calls(owner, comm.handle, size, rank, BUDGET_S)
+
+
+def bind_batch(comm: Any) -> None:
+    """Make ``comm.batch_isend_irecv`` the compiled one, bound to ``comm`` (it holds ``comm`` as a
+    bound method does): a ring exchange then runs no Python frame of gradcomm's. On each call it
+    uses ``comm``'s compiled calls (``comm._compiled``) unless ``type(comm).batch_isend_irecv`` is
+    no longer :meth:`PointToPoint.batch_isend_irecv` (a subclass overrides it, or it was
+    patched), or they decline; then it calls that method. ``comm``'s ``close()`` unbinds it."""
+    module, _ = _load()
+    if module is not None:
+        vars(comm)["batch_isend_irecv"] = MethodType(module.batch_isend_irecv, comm)

@@ -2,7 +2,7 @@
 
 Each blocking collective of :class:`CompiledCalls` first offers the call to the compiled calls of
 its communicator (``batch_isend_irecv`` is theirs, bound to the instance: see
-``MPICommunicator._attach``). They decline (None) any call the Python short
+:func:`.compiled.bind_batch`). They decline (None) any call the Python short
 path of :mod:`gradcomm.comm._issue` would not take, and then the inherited Python method runs,
 checks and raises as always. The arguments and results are those of
 :class:`~gradcomm.comm.Communicator`'s methods, whose docstrings apply.
