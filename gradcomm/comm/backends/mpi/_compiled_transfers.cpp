@@ -175,29 +175,44 @@ PyObject* batch(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // batch_isend_irecv(comm, ops): the MPI communicator's batch_isend_irecv, bound to each
-// instance (compiled.bind_batch): the compiled batch of comm's Calls, unless comm's class has
-// another batch_isend_irecv than the one it was bound for (a subclass's override, a patch), or the
-// batch declines; then the class's method, which checks and raises as always.
+// instance whose class has Communicator.batch_isend_irecv (compiled.bind_batch): the compiled batch
+// of comm's Calls, or, for a batch it declines, that method, which checks and raises as always.
+// When the class's method was replaced after the binding (a patch), it unbinds itself and calls
+// what Python's attribute lookup finds, with the arguments as given.
 PyObject* batch_isend_irecv(PyObject*, PyObject* const* args, Py_ssize_t nargs,
                             PyObject* kwnames) {
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "batch_isend_irecv() needs its communicator");
+    return nullptr;
+  }
+  PyObject* comm = args[0];
+  Ref method(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(comm)), s_batch_isend_irecv));
+  if (method.p == nullptr) return nullptr;
+  if (method.p != types.batch_method) {
+    Ref dict(PyObject_GenericGetDict(comm, nullptr));
+    if (dict.p == nullptr) return nullptr;
+    if (PyDict_DelItem(dict.p, s_batch_isend_irecv) < 0) {
+      if (!PyErr_ExceptionMatches(PyExc_KeyError)) return nullptr;
+      PyErr_Clear();
+    }
+    Ref found(PyObject_GetAttr(comm, s_batch_isend_irecv));
+    if (found.p == nullptr) return nullptr;
+    return PyObject_Vectorcall(found.p, args + 1, nargs - 1, kwnames);
+  }
   const Py_ssize_t given = nargs + (kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames));
-  if (given != 2 || nargs < 1 ||
+  if (given != 2 ||
       (kwnames != nullptr &&
        PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "ops") != 0)) {
     PyErr_SetString(PyExc_TypeError, "batch_isend_irecv() takes one argument, ops");
     return nullptr;
   }
-  PyObject *comm = args[0], *ops = args[1];
-  Ref method(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(comm)), s_batch_isend_irecv));
-  if (method.p == nullptr) return nullptr;
-  if (method.p == types.batch_method) {
-    Ref calls(PyObject_GetAttr(comm, s_compiled));
-    if (calls.p == nullptr) return nullptr;
-    if (Py_IS_TYPE(calls.p, &calls_type)) {
-      PyObject* works = batch(calls.p, &ops, 1);
-      if (works != Py_None) return works;  // the works, or an error
-      Py_DECREF(works);
-    }
+  PyObject* ops = args[1];
+  Ref calls(PyObject_GetAttr(comm, s_compiled));
+  if (calls.p == nullptr) return nullptr;
+  if (Py_IS_TYPE(calls.p, &calls_type)) {
+    PyObject* works = batch(calls.p, &ops, 1);
+    if (works != Py_None) return works;  // the works, or an error
+    Py_DECREF(works);
   }
   PyObject* call[] = {comm, ops};
   return PyObject_Vectorcall(method.p, call, 2, nullptr);

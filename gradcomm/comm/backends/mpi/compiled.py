@@ -255,10 +255,11 @@ def calls(owner: Any, comm: Any, size: int, rank: int, wanted: bool) -> Any:
 
 def bind_batch(comm: Any) -> None:
     """Make ``comm.batch_isend_irecv`` the compiled one, bound to ``comm`` (it holds ``comm`` as a
-    bound method does): a ring exchange then runs no Python frame of gradcomm's. On each call it
-    uses ``comm``'s compiled calls (``comm._compiled``) unless ``type(comm).batch_isend_irecv`` is
-    no longer :meth:`PointToPoint.batch_isend_irecv` (a subclass overrides it, or it was
-    patched), or they decline; then it calls that method. ``comm``'s ``close()`` unbinds it."""
+    bound method does), when ``comm``'s class has :meth:`PointToPoint.batch_isend_irecv` (a
+    subclass's override is left alone): a ring exchange then runs no Python frame of gradcomm's.
+    It uses ``comm``'s compiled calls (``comm._compiled``), or that method for a batch they
+    decline. If the class's method is replaced later (a patch), it unbinds itself and calls the
+    replacement, as Python's lookup finds it. ``comm``'s ``close()`` unbinds it."""
     module, _ = _load()
-    if module is not None:
+    if module is not None and type(comm).batch_isend_irecv is PointToPoint.batch_isend_irecv:
         vars(comm)["batch_isend_irecv"] = MethodType(module.batch_isend_irecv, comm)
