@@ -190,6 +190,10 @@ struct Held {
 PyObject* finish(const Calls* self, const Context& ctx, const Said& said, PyObject* target,
                  const char* call, int err, Handle request, Held a, Held b = {nullptr, nullptr});
 
+// (held[0].obj, ..., held[n-1].obj, their storages): what a work keeps alive while MPI uses the
+// memory (t.set_(...) or t.data = ... meanwhile must not free it). nullptr with an error set.
+PyObject* keepalive(const Held* held, int n);
+
 // A pending MPIWork of `request`, as MPIWork(request, desc, timeout, keepalive, inflight) and
 // bind(target, stall_note) make it, appended to the communicator's pending list before any Python
 // code can run (a KeyboardInterrupt must not lose it); keepalive: the tensors of `held`, then

@@ -158,14 +158,9 @@ PyObject* completed(const Context& ctx, PyObject* opname, int64_t numel, PyObjec
 
 }  // namespace
 
-PyObject* pending_work(const Context& ctx, PyObject* desc, Handle request, const Held* held,
-                       int n, PyObject* target) {
-  Ref handle(PyLong_FromUnsignedLongLong(
-      static_cast<unsigned long long>(static_cast<long long>(request))));
-  if (handle.p == nullptr) return nullptr;
-  Ref req(PyObject_CallOneArg(types.fromhandle, handle.p));
+PyObject* keepalive(const Held* held, int n) {
   Ref keep(PyTuple_New(2 * n));
-  if (req.p == nullptr || keep.p == nullptr) return nullptr;
+  if (keep.p == nullptr) return nullptr;
   for (int i = 0; i < n; ++i) {
     PyObject* storage = nullptr;
     try {
@@ -177,6 +172,17 @@ PyObject* pending_work(const Context& ctx, PyObject* desc, Handle request, const
     PyTuple_SET_ITEM(keep.p, i, Py_NewRef(held[i].obj));
     PyTuple_SET_ITEM(keep.p, n + i, storage);
   }
+  return Py_NewRef(keep.p);
+}
+
+PyObject* pending_work(const Context& ctx, PyObject* desc, Handle request, const Held* held,
+                       int n, PyObject* target) {
+  Ref handle(PyLong_FromUnsignedLongLong(
+      static_cast<unsigned long long>(static_cast<long long>(request))));
+  if (handle.p == nullptr) return nullptr;
+  Ref req(PyObject_CallOneArg(types.fromhandle, handle.p));
+  Ref keep(req.p == nullptr ? nullptr : keepalive(held, n));
+  if (keep.p == nullptr) return nullptr;
   Ref inflight(PyObject_GetAttr(ctx.owner, s_inflight));
   Ref timeout(PyObject_GetAttr(ctx.owner, s_timeout));
   Ref stall_note(PyObject_GetAttr(ctx.owner, s_stall_note));

@@ -1,10 +1,8 @@
 // batch_isend_irecv in the compiled calls (see _compiled_module.cpp): checks, posts and the
-// pending MPIWorks.
+// pending works.
 #include <Python.h>
 
 #include <climits>
-
-#include <torch/csrc/Storage.h>
 
 #include "_compiled.h"
 
@@ -59,15 +57,8 @@ PyObject* transfer_work(const Calls* self, const Shared& shared, const Transfer&
   Ref numel(extra.p == nullptr ? nullptr : PyLong_FromLongLong(x.t->numel()));
   if (numel.p == nullptr) return nullptr;
   Ref said(PyTuple_Pack(5, x.send ? s_send : s_recv, seq, numel.p, x.tail, extra.p));
-  PyObject* storage = nullptr;
-  try {
-    storage = THPStorage_Wrap(x.t->storage());
-  } catch (...) {
-    PyErr_SetString(PyExc_RuntimeError, "gradcomm: could not wrap a tensor's storage");
-    return nullptr;
-  }
-  Ref hold(storage);
-  Ref keep(PyTuple_Pack(2, x.tensor, storage));
+  const Held held{x.tensor, x.t};
+  Ref keep(keepalive(&held, 1));
   Ref handle(PyLong_FromLong(x.request));
   Ref expect(x.send ? Py_NewRef(Py_None) : PyLong_FromSize_t(x.t->nbytes()));
   if (said.p == nullptr || keep.p == nullptr || handle.p == nullptr || expect.p == nullptr)
