@@ -1,4 +1,4 @@
-"""Per-call cost of the cross-rank collective check (gradcomm.comm._consistency), call by call.
+"""Per-call cost of the cross-rank collective check (gradcomm.comm.consistency), call by call.
 
 For each backend (gloo and mpi, both built in one ``mpiexec`` job) and message size (8 B and
 1 MiB of float32 by default) this times, interleaved call by call in an order reversed every

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from . import __version__
-from .comm._consistency import debug_level_from_env
-from .comm._env_flag import env_flag
-from .comm.launcher import detect_launch
-from .comm.registry import available_backends
-from .comm.selection import resolve_timeout, select_backend
+from .comm.consistency import debug_level_from_env
+from .comm.launch.env import env_flag
+from .comm.launch.launcher import detect_launch
+from .comm.launch.registry import available_backends
+from .comm.launch.selection import resolve_timeout, select_backend
 
 __all__ = ["collect_info", "format_info"]
 
@@ -94,7 +94,7 @@ def _cuda_aware_mpi(env: Mapping[str, str], include_mpi: bool) -> dict[str, Any]
     if not include_mpi:
         return {"available": None, "reason": "not checked (--no-mpi)"}
     try:
-        module = importlib.import_module("gradcomm.comm.backends.mpi_device")
+        module = importlib.import_module("gradcomm.comm.backends.mpi.device")
     except ImportError as exc:
         return {"available": None, "reason": f"not checked: {exc}"}
     try:

@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from ._profile_records import OpRecord, OpSummary, StepSummary, bus_factor, summarize
-from .comm._env_flag import env_flag
 from .comm.communicator import Communicator
+from .comm.launch.env import env_flag
 
 __all__ = [
     "PROFILE_ENV",
@@ -343,7 +343,7 @@ def profile(
 def profile_requested(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``GRADCOMM_PROFILE`` (in ``env``, default os.environ) turns profiling on.
 
-    Unset or empty: off. The words are :func:`gradcomm.comm._env_flag.env_flag`'s.
+    Unset or empty: off. The words are :func:`gradcomm.comm.launch.env.env_flag`'s.
 
     Raises:
         ValueError: it is set to something that is neither on (1/true/yes/on) nor off

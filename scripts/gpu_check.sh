@@ -206,7 +206,7 @@ EOF
 fi
 if timeout "$(budget_of mpi-setup)" mpiexec -n 2 "$PY" -c '
 from mpi4py import MPI
-from gradcomm.comm.backends.mpi_device import cuda_aware_mpi
+from gradcomm.comm.backends.mpi.device import cuda_aware_mpi
 if MPI.COMM_WORLD.Get_rank() == 0:
     aware, why = cuda_aware_mpi()
     print("MPI", MPI.Get_library_version().split(chr(10))[0].strip()[:40], "| cuda-aware", aware, "|", why[:80])

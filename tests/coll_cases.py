@@ -359,7 +359,7 @@ def device_adapters() -> list[object]:
     staging through host memory."""
     from mpi_scripts.mpi_backend_staging import FakeAdapter
 
-    from gradcomm.comm.backends.mpi_device import DeviceBufferAdapter
+    from gradcomm.comm.backends.mpi.device import DeviceBufferAdapter
 
     return [FakeAdapter(staged=True), DeviceBufferAdapter(False, synchronize=lambda: None)]
 

@@ -49,13 +49,6 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     return result
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the mpi backend's compiled calls once, before the first test's timeout runs."""
-    why = dist_utils.build_compiled_mpi_calls()
-    if why and why != "no mpi4py":
-        print(f"\ngradcomm's compiled MPI calls are off in this run: {why}", file=sys.stderr)
-
-
 @pytest.fixture(params=ranks.BACKENDS)
 def comm_runner(request: pytest.FixtureRequest, tmp_path: Path) -> ranks.RankRunner:
     """Runs a case function on the ranks of each backend in turn (threads, gloo, mpi); see

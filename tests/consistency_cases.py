@@ -1,4 +1,4 @@
-"""Cases of the cross-rank collective check (gradcomm.comm._consistency), for any backend.
+"""Cases of the cross-rank collective check (gradcomm.comm.consistency), for any backend.
 
 ``run_cases(comm, names)`` runs the named cases in order on every rank of one communicator and
 returns this rank's outcomes (a case function for ``ranks.RankRunner``, which

@@ -286,26 +286,6 @@ def run_mpi(
     return run_command(cmd, timeout=timeout, env=full_env, check=check)
 
 
-def build_compiled_mpi_calls() -> str:
-    """Build (or find built) the mpi backend's compiled calls in a process of its own, before any
-    test: a first build takes 20-60 s, which would count against the first MPI test's timeouts.
-    Returns why they cannot be used ("" when they can; "no mpi4py": nothing built)."""
-    if importlib.util.find_spec("mpi4py") is None:
-        return "no mpi4py"
-    code = ("from gradcomm.comm.backends.mpi import compiled; "
-            "print(compiled.unavailable_reason() or 'ok')")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=900, env=env)
-    except subprocess.TimeoutExpired:
-        return "the build took more than 900 s"
-    lines = (proc.stdout or proc.stderr or "no output").strip().splitlines()
-    return "" if proc.returncode == 0 and lines[-1] == "ok" else lines[-1]
-
-
 def benchmark_module(name: str) -> Any:
     """Import ``benchmarks/<name>.py`` (a script folder, not a package) as a module."""
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import gradcomm
-from gradcomm.comm.backends._threads import ThreadGroup
+from gradcomm.comm.backends.threads import ThreadGroup
 
 from dist_utils import REPO_ROOT, TESTS_DIR, run_mpi, run_processes
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gradcomm
-from gradcomm.comm.backends._threads import ThreadCommunicator, ThreadGroup
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks._control import CONTROL_LABEL
 from gradcomm.profiler import OpRecord, Profiler, bus_factor, profile
 

@@ -119,7 +119,7 @@ def _plot_only(args: argparse.Namespace) -> int:
 def _launch_prefix(launcher: str, world_size: int) -> list[str]:
     """The launcher part of the command that reproduces this run (``launcher``: a
     :class:`gradcomm.comm.Launcher` value), for the JSON's ``command``."""
-    from ..comm.launcher import Launcher
+    from ..comm.launch.launcher import Launcher
 
     n = str(world_size)
     if launcher == Launcher.TORCHRUN.value:
@@ -180,13 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from .. import comm as gc
-    from ..comm.registry import check_backend, known_backends, normalize_backend_name
-    from ..comm.selection import resolve_timeout
+    from ..comm.launch.registry import check_backend, known_backends, normalize_backend_name
+    from ..comm.launch.selection import resolve_timeout
     from ..comm.types import Collective, ReduceOp
     from .collectives import SWEPT, run_collective_sweep
     from .metrics import dtype_name, parse_dtype, size_sweep
     from .results import SweepResult, format_table, mpi_versions, write_csv, write_json
-    from .sweep import make_raw_transport, mpich_settings, raw_transport_unavailable, run_sweep
+    from .sweep import make_raw_transport, raw_transport_unavailable, run_sweep
 
     try:  # bad names are usage errors, reported alike on every rank before any rendezvous
         dtype = parse_dtype(args.dtype)
@@ -258,11 +258,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 say(f"# no raw column: {raw_transport_unavailable(comm)}")
             if raw is not None:
                 say(f"# raw column: {raw.description}")
-            if comm.backend == "mpi":
-                tuned = mpich_settings()
-                result.meta["mpich_settings"] = tuned
-                if tuned:
-                    say("# MPICH settings: " + ", ".join(f"{k}={v}" for k, v in tuned.items()))
             if raw is not None and not raw.supports(dtype, op):
                 say(f"# {raw.name} cannot reduce {dtype_name(dtype)} with {args.op}: "
                     "no raw column")

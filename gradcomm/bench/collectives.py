@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .._profile_records import bus_factor as profile_bus_factor
-from ..comm._p2p import P2POp
+from ..comm import P2POp
 from ..comm.communicator import Communicator
 from ..comm.types import Collective, ReduceOp
 from .metrics import algbw, dtype_name, op_name

@@ -30,10 +30,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ..comm._netaddr import publish_candidates
-from ..comm._reachability import first_answering
 from ..comm.communicator import Communicator
-from ..comm.launcher import detect_launch
+from ..comm.launch.launcher import detect_launch
+from ..comm.launch.netaddr import publish_candidates
+from ..comm.launch.reachability import first_answering
 from ..comm.types import ReduceOp
 from .metrics import algbw, busbw, dtype_name, op_name
 from .results import SweepRow
@@ -43,7 +43,6 @@ __all__ = [
     "TorchDistRaw",
     "MPIRaw",
     "make_raw_transport",
-    "mpich_settings",
     "raw_transport_unavailable",
     "run_sweep",
     "measure",
@@ -84,7 +83,7 @@ class TorchDistRaw(RawTransport):
     The group is torch's default process group when none exists yet (the CLI's case), else a new
     group of every rank. Its rendezvous goes through ``comm``: rank 0 opens a TCPStore on a port
     the OS picks and broadcasts its candidate addresses -- ``MASTER_ADDR`` when set, else those of
-    :func:`gradcomm.comm._netaddr.publish_candidates` (127.0.0.1 on one host, never loopback
+    :func:`gradcomm.comm.launch.netaddr.publish_candidates` (127.0.0.1 on one host, never loopback
     across hosts) -- and each rank connects to the first that answers, so it never collides with
     the store gradcomm's own communicator opened at ``MASTER_ADDR:MASTER_PORT``, under torchrun
     and mpiexec alike. Across hosts gloo binds the interface gradcomm's communicator chose.
@@ -265,21 +264,6 @@ def raw_transport_unavailable(comm: Communicator) -> str | None:
         return (f"MPI is not CUDA-aware here, so mpi4py cannot take {comm.device} buffers "
                 "(gradcomm stages them through host memory)")
     return f"no raw transport is measured for the {backend} backend"
-
-
-def mpich_settings() -> dict[str, str]:
-    """The MPICH variables gradcomm gives defaults (:mod:`gradcomm.comm._mpi_defaults`), as
-    this process has them: ``{name: value}``, the value followed by ``" (gradcomm's default)"``
-    where gradcomm set it; unset variables are left out."""
-    from ..comm._mpi_defaults import MPICH_DEFAULTS, applied_defaults
-
-    ours = applied_defaults()
-    out = {}
-    for name in MPICH_DEFAULTS:
-        value = os.environ.get(name)
-        if value is not None:
-            out[name] = value + (" (gradcomm's default)" if ours.get(name) == value else "")
-    return out
 
 
 def make_raw_transport(comm: Communicator, timeout: float = 300.0) -> RawTransport | None:

@@ -1,18 +1,20 @@
 """gradcomm.comm: one small collective interface, implemented by pluggable backends.
 
-See :class:`Communicator` for the interface, :func:`init` to build one, :func:`register_backend` to
-add a backend, :func:`detect_launch` for launcher detection, and :class:`DebugLevel` for the
-cross-rank check of every collective (``GRADCOMM_DEBUG``).
+Layers, top down: :func:`init` (:mod:`.launch`: launcher detection, backend selection,
+rendezvous, address choice, settings agreement) builds a :class:`Communicator`
+(:mod:`.communicator`: the argument checks, the cross-rank consistency check and the stall guard
+in front of one backend hook per operation), which a backend (:mod:`.backends`: gloo, nccl, mpi,
+cupy-nccl) implements. :func:`register_backend` adds a backend, :func:`detect_launch` says how
+this process was launched, :class:`DebugLevel` sets the cross-rank check (``GRADCOMM_DEBUG``).
 """
 
-from ._consistency import DebugLevel
-from ._p2p import P2PKind, P2POp
-from .communicator import Communicator
+from .communicator import Communicator, P2PKind, P2POp
+from .consistency import DebugLevel
 from .errors import BackendUnavailableError, CollectiveTimeoutError, SlowPathWarning
 from .hierarchical import HierarchicalAllReduce
-from .launcher import Launcher, LaunchInfo, detect_launch
-from .registry import BackendStatus, available_backends, register_backend
-from .selection import BackendChoice, init, select_backend
+from .launch.launcher import Launcher, LaunchInfo, detect_launch
+from .launch.registry import BackendStatus, available_backends, register_backend
+from .launch.selection import BackendChoice, init, select_backend
 from .types import Collective, ReduceOp, Support, SupportLevel
 from .work import Work
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_avg, check_call_args
+from .checks import check_avg, check_call_args
 from .communicator import Communicator
 from .types import ReduceOp
 from .work import CompletedWork, Work, writing_into

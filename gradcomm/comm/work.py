@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from .errors import CollectiveTimeoutError
+from .errors import CollectiveTimeoutError, brief
 
-__all__ = ["Work", "CompletedWork", "Description", "DescriptionLike", "writing_into"]
+__all__ = ["Work", "CompletedWork", "Description", "DescriptionLike", "StallGuard",
+           "writing_into"]
 
 _INF = math.inf
 
@@ -34,7 +35,7 @@ class Description:
     device and group, from the communicator's cache). Formatting is cheap when warm but not between
     two large collectives, whose traffic leaves the caches cold (benchmarks/call_overhead.py), and
     the text is almost never read, so collectives keep the parts and :class:`Work` formats them
-    on demand. The parts are also what :mod:`~gradcomm.comm._consistency` compares across ranks:
+    on demand. The parts are also what :mod:`~gradcomm.comm.consistency` compares across ranks:
     a collective with a root or split sizes passes them as ``root`` and ``splits`` (shown in the
     text through ``extra``, e.g. ``"src=0"``).
     """
@@ -294,11 +295,7 @@ class Work(abc.ABC):
 
 
 class CompletedWork(Work):
-    """A :class:`Work` that is complete from the start (synchronous ops, world_size 1).
-
-    The class attributes are an instance's state before ``__init__``, so an instance made without
-    it (as the MPI backend's compiled calls make theirs, see
-    :mod:`gradcomm.comm.backends.mpi.compiled`) is a complete work of that description."""
+    """A :class:`Work` that is complete from the start (synchronous ops, world_size 1)."""
 
     _description = "completed collective"
     timeout = None
@@ -319,3 +316,56 @@ class CompletedWork(Work):
 
     def _test(self) -> bool:
         return True
+
+
+# ----------------------------------------------------------------------------- stalls
+# No transport can cancel a started collective, and one issued behind a stalled one would wait for
+# it, so a communicator refuses every new collective while a timed-out one is pending. A late peer
+# that catches up completes it and makes the communicator usable again; a stalled collective that
+# then fails leaves it unusable for good.
+class StallGuard:
+    """The timed-out collective of one communicator, if any.
+
+    Args:
+        backend: the communicator's backend name, for error messages.
+
+    A communicator hands :meth:`note` to each :class:`~gradcomm.comm.Work` it returns (see
+    :meth:`Work.bind`) and calls :meth:`check` before each new collective while :attr:`stalled`
+    is set.
+    """
+
+    __slots__ = ("_backend", "stalled")
+
+    def __init__(self, backend: str) -> None:
+        self._backend = backend
+        #: The first collective whose wait timed out and that has not completed since (or None).
+        self.stalled: Work | None = None
+
+    def note(self, work: Work) -> None:
+        """Called by ``work`` when a wait on it times out."""
+        if self.stalled is None:
+            self.stalled = work
+
+    def check(self) -> None:
+        """Forget the stalled collective once it has completed (running its callbacks).
+
+        Raises:
+            RuntimeError: it is still pending, or it failed after timing out.
+        """
+        stalled = self.stalled
+        if stalled is None:
+            return
+        try:
+            done = stalled.is_completed()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{self._backend} communicator is unusable: {stalled.description}, which timed "
+                f"out, then failed: {exc}"
+            ) from exc
+        if not done:
+            raise RuntimeError(
+                f"{self._backend} communicator is unusable while "
+                f"{brief(str(stalled.description), 70)}, which timed out, is still pending; "
+                "wait() on its Work again"
+            )
+        self.stalled = None

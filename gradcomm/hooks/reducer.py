@@ -285,7 +285,7 @@ class GradientReducer:
             custom_hook=resolved_hook is not allreduce_hook, step_check=step_check)
         hook_fn = hierarchical_hook if opts.hierarchical else resolved_hook
         if comm is None:
-            from ..comm.selection import init
+            from ..comm import init
 
             comm = init()
         elif not isinstance(comm, Communicator):

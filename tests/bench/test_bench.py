@@ -302,7 +302,7 @@ def _sweep_rank(rank: int, world_size: int, out: str) -> int:
 
 @pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "product"])
 def test_sweep_on_thread_ranks_checks_values(op: str) -> None:
-    from gradcomm.comm.backends._threads import ThreadGroup
+    from gradcomm.comm.backends.threads import ThreadGroup
 
     def body(comm: object) -> list[SweepRow]:
         return run_sweep(comm, [4, 64], torch.float32, op, iters=2, warmup=1,  # type: ignore[arg-type]
@@ -316,7 +316,7 @@ def test_sweep_on_thread_ranks_checks_values(op: str) -> None:
 
 
 def test_sweep_rejects_bad_arguments_before_any_collective() -> None:
-    from gradcomm.comm.backends._threads import ThreadGroup
+    from gradcomm.comm.backends.threads import ThreadGroup
 
     comm = ThreadGroup(2).communicator(0)  # rank 1 never runs: a collective would time out
     with pytest.raises(ValueError, match="stat"):

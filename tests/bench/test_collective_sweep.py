@@ -9,7 +9,7 @@ import torch
 from gradcomm.bench.__main__ import main
 from gradcomm.bench.collectives import SWEPT, bus_factor, run_collective_sweep
 from gradcomm.comm import Collective
-from gradcomm.comm.backends._threads import ThreadGroup
+from gradcomm.comm.backends.threads import ThreadGroup
 
 
 def test_bus_factors_are_nccl_tests() -> None:

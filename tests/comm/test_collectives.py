@@ -13,7 +13,7 @@ from coll_cases import FLOATS, HALF, INTS, every_collective
 from ranks import RankRunner
 
 from gradcomm.comm import Collective, SupportLevel
-from gradcomm.comm.backends._threads import ThreadGroup
+from gradcomm.comm.backends.threads import ThreadGroup
 
 #: The dtypes each backend is checked in: gloo without int16 and bool.
 DTYPES = {"threads": FLOATS + INTS + HALF + [torch.int16, torch.bool],

@@ -18,7 +18,7 @@ from fake_device import FakeDeviceCommunicator, FakeDeviceTensor, fake_device, t
 from gradcomm import ReduceOp
 from gradcomm.comm import Launcher, LaunchInfo
 from gradcomm.comm.backends import cupy_nccl
-from gradcomm.comm.backends._threads import ThreadGroup
+from gradcomm.comm.backends.threads import ThreadGroup
 
 
 def _cuda(t: torch.Tensor) -> FakeDeviceTensor:
@@ -160,8 +160,8 @@ class _RecordingGroup:
 
 
 def test_nccl_takes_the_process_groups_own_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gradcomm.comm._rendezvous import Rendezvous
     from gradcomm.comm.backends import nccl, torch_dist
+    from gradcomm.comm.launch.rendezvous import Rendezvous
 
     install(monkeypatch)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)

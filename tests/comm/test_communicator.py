@@ -25,7 +25,7 @@ from ranks import RankRunner
 
 import gradcomm
 from gradcomm.comm import CollectiveTimeoutError, Communicator, ReduceOp, SupportLevel
-from gradcomm.comm.backends._threads import ThreadGroup
+from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.comm.work import Description
 
 from dist_utils import run_processes

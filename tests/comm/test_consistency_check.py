@@ -1,4 +1,4 @@
-"""The cross-rank collective check (gradcomm.comm._consistency): mismatched calls raise the same
+"""The cross-rank collective check (gradcomm.comm.consistency): mismatched calls raise the same
 RuntimeError on every rank (in ``GRADCOMM_DEBUG=detail`` mode), and
 matching calls give the values they give without it. One run per backend (threads, spawned gloo,
 ``mpiexec``) and world size runs every case of ``tests/consistency_cases.py``.
@@ -22,8 +22,8 @@ from mpi_scripts.reducer_common import (
 from ranks import RankRunner
 
 import gradcomm
-from gradcomm.comm._consistency import DebugLevel, debug_level_from_env, mismatch_message
-from gradcomm.comm.backends._threads import ThreadGroup
+from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm.consistency import DebugLevel, debug_level_from_env, mismatch_message
 from gradcomm.hooks import GradientReducer
 
 NAMES = list(cc.CASES)
@@ -75,7 +75,7 @@ def test_fingerprint_fields_in_messages() -> None:
 
 
 def cc_fingerprint_row() -> list[int]:
-    from gradcomm.comm._consistency import fingerprint
+    from gradcomm.comm.consistency import fingerprint
     from gradcomm.comm.work import Description
 
     desc = Description("all_reduce", 7, 10, "", gradcomm.ReduceOp.SUM, splits=(1, 2))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gradcomm.comm._env_flag import OFF_WORDS, ON_WORDS, env_flag
-from gradcomm.comm._mpi_abort import abort_on_error_enabled
-from gradcomm.comm.backends.mpi_device import cuda_aware_mpi
+from gradcomm.comm.backends.mpi.abort import abort_on_error_enabled
+from gradcomm.comm.backends.mpi.device import cuda_aware_mpi
+from gradcomm.comm.launch.env import OFF_WORDS, ON_WORDS, env_flag
 from gradcomm.profiler import profile_requested
 
 NAME = "GRADCOMM_TEST_SWITCH"

@@ -39,7 +39,7 @@ from gradcomm import (
     ReduceOp,
 )
 from gradcomm.comm import Launcher, LaunchInfo, available_backends, select_backend
-from gradcomm.comm import _cuda_packages as cuda_packages
+from gradcomm.comm.backends import cuda_packages
 from gradcomm.comm.backends.cupy_nccl import CudaEventWork
 from gradcomm.comm.backends.nccl import check_same_device, nccl_support, resolve_cuda_device
 

@@ -22,9 +22,9 @@ from fake_device import FakeDeviceTensor
 
 from gradcomm import CollectiveTimeoutError, ReduceOp
 from gradcomm.comm import Launcher, LaunchInfo
-from gradcomm.comm import _cuda_packages as cuda_packages
-from gradcomm.comm._rendezvous import Rendezvous
-from gradcomm.comm.backends import cupy_nccl, mpi_device, nccl, torch_dist
+from gradcomm.comm.backends import cuda_packages, cupy_nccl, nccl, torch_dist
+from gradcomm.comm.backends.mpi import device as mpi_device
+from gradcomm.comm.launch.rendezvous import Rendezvous
 
 from dist_utils import REPO_ROOT
 
@@ -201,7 +201,7 @@ def test_mpi_with_cuda_selects_the_local_ranks_gpu(
     monkeypatch: pytest.MonkeyPatch, count: int, want: int
 ) -> None:
     pytest.importorskip("mpi4py")
-    from gradcomm.comm.backends.mpi import MPICommunicator
+    from gradcomm.comm.backends.mpi.communicator import MPICommunicator
 
     fake = install(monkeypatch, device_count=count)
     # The second rank of a host (local_rank 1): cuda:1, or cuda:0 on a one-GPU host; MPI itself
@@ -220,21 +220,21 @@ def test_cupy_arrays_are_made_under_the_tensors_device(monkeypatch: pytest.Monke
 
 
 # ============================================================================ 6. MPI thread level
-def test_mpi_with_cuda_refuses_a_thread_level_below_serialized(
+def test_mpi_refuses_a_thread_level_below_multiple_on_every_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pytest.importorskip("mpi4py")
     from mpi4py import MPI
 
-    from gradcomm.comm.backends.mpi import MPICommunicator
+    from gradcomm.comm.backends.mpi.communicator import MPICommunicator
 
     install(monkeypatch)
-    monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_FUNNELED)
-    with pytest.raises(RuntimeError, match=r"thread level 'funneled'.*autograd's threads"):
-        MPICommunicator(_launch(world=1), device="cuda")
-    with MPICommunicator(_launch(world=1)) as cpu:  # host tensors: hooks run on the caller
-        assert cpu.device.type == "cpu"
-    monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
+    for level, name in ((MPI.THREAD_FUNNELED, "funneled"), (MPI.THREAD_SERIALIZED, "serialized")):
+        monkeypatch.setattr(MPI, "Query_thread", lambda level=level: level)
+        for device in ("cuda", "cpu"):  # the progress thread calls MPI beside the caller
+            with pytest.raises(RuntimeError, match=rf"thread level '{name}'.*needs 'multiple'"):
+                MPICommunicator(_launch(world=1), device=device)
+    monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_MULTIPLE)
     with MPICommunicator(_launch(world=1), device="cuda") as comm:
         assert comm.device == CUDA0
 

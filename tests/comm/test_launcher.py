@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gradcomm.comm import Launcher, LaunchInfo, detect_launch
-from gradcomm.comm.launcher import cpus_per_local_process
+from gradcomm.comm.launch.launcher import cpus_per_local_process
 
 # (id, environment, expected (rank, world_size, local_rank, local_world_size, launcher))
 CASES: list[tuple[str, dict[str, str], tuple[int, int, int, int, Launcher]]] = [

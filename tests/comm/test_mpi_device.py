@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from gradcomm import SlowPathWarning
-from gradcomm.comm import _cuda_packages as cuda_packages
-from gradcomm.comm.backends import mpi_device
-from gradcomm.comm.backends.mpi_device import (
+from gradcomm.comm.backends import cuda_packages
+from gradcomm.comm.backends.mpi import device as mpi_device
+from gradcomm.comm.backends.mpi.device import (
     DeviceBufferAdapter,
     cuda_aware_mpi,
     wire_view,

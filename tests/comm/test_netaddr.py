@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from gradcomm.comm._netaddr import (
+from gradcomm.comm.launch.launcher import Launcher, LaunchInfo
+from gradcomm.comm.launch.netaddr import (
     InterfaceAddress,
     interface_addresses,
     interface_of,
@@ -20,9 +21,8 @@ from gradcomm.comm._netaddr import (
     publish_candidates,
     route_source,
 )
-from gradcomm.comm._reachability import bind_address, check_reachable, first_answering
-from gradcomm.comm._rendezvous import rendezvous
-from gradcomm.comm.launcher import Launcher, LaunchInfo
+from gradcomm.comm.launch.reachability import bind_address, check_reachable, first_answering
+from gradcomm.comm.launch.rendezvous import rendezvous
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,7 +121,7 @@ def test_more_peers_than_the_listen_backlog_pass(monkeypatch: pytest.MonkeyPatch
     def tiny_backlog(address: Any, *, backlog: int | None = None, **kw: Any) -> socket.socket:
         return real(address, backlog=1, **kw)
 
-    monkeypatch.setattr("gradcomm.comm._reachability.socket.create_server", tiny_backlog)
+    monkeypatch.setattr("gradcomm.comm.launch.reachability.socket.create_server", tiny_backlog)
     store = dist.HashStore()
     assert _ranks(6, _check, store, 6, ["127.0.0.1"] * 6, [""] * 6, 20) == ["ok"] * 6
 
@@ -173,7 +173,7 @@ def test_loopback_master_addr_means_one_host_even_with_two_agents(
     # torchrun --nnodes 2 started twice on one machine: local_world_size 2 of 4, but only ranks
     # on rank 0's host reach a loopback store, so they meet as one host and bind nothing.
     # Threads share the per-process store counter that separate ranks each count alike.
-    monkeypatch.setattr("gradcomm.comm._rendezvous._store_ids", itertools.repeat(0))
+    monkeypatch.setattr("gradcomm.comm.launch.rendezvous._store_ids", itertools.repeat(0))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

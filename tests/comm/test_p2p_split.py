@@ -13,7 +13,7 @@ from p2p_split_checks import every_case, expect_error
 from ranks import RankRunner
 
 import gradcomm
-from gradcomm.comm.backends._threads import ThreadGroup
+from gradcomm.comm.backends.threads import ThreadGroup
 
 
 @pytest.mark.timeout(240)

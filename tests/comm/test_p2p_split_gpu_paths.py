@@ -13,8 +13,9 @@ import torch
 from fake_cuda import install, install_cupy
 
 from gradcomm.comm import Launcher, LaunchInfo, P2POp
-from gradcomm.comm._p2p import P2PKind, Transfer, post_in_pair_order
 from gradcomm.comm.backends import cupy_nccl
+from gradcomm.comm.backends.nccl import post_in_pair_order
+from gradcomm.comm.communicator import P2PKind, Transfer
 from gradcomm.comm.work import CompletedWork, Description, Work
 
 

@@ -19,12 +19,12 @@ from gradcomm.comm import (
     LaunchInfo,
     available_backends,
     register_backend,
-    registry,
     select_backend,
 )
-from gradcomm.comm.backends._threads import ThreadGroup
-from gradcomm.comm.registry import known_backends
-from gradcomm.comm.selection import DEFAULT_TIMEOUT, init, resolve_timeout
+from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm.launch import registry
+from gradcomm.comm.launch.registry import known_backends
+from gradcomm.comm.launch.selection import DEFAULT_TIMEOUT, init, resolve_timeout
 
 from dist_utils import REPO_ROOT, run_processes
 
@@ -118,7 +118,7 @@ def test_bad_timeout_argument(bad: float) -> None:
 @pytest.mark.parametrize("huge", [1e9 + 1, 1e13, 8.7e13, 1e300])
 def test_timeouts_beyond_the_maximum_are_a_value_error_not_a_crash_in_gloo(huge: float) -> None:
     # 1e13 s made gloo's context raise "Invalid timeout", 8.7e13 s an OverflowError in timedelta
-    from gradcomm.comm import selection
+    from gradcomm.comm.launch import selection
 
     assert selection.MAX_TIMEOUT == 1e9 and resolve_timeout(1e9, {}) == 1e9
     with pytest.raises(ValueError, match=r"at most 1e\+09 seconds"):
@@ -366,7 +366,7 @@ def test_init_accepts_numpy_integers_as_ints() -> None:
 
 @pytest.mark.parametrize("raw", ["maybe", "2", "yes please"])
 def test_bad_abort_on_error_value_raises(raw: str) -> None:
-    from gradcomm.comm._mpi_abort import abort_on_error_enabled
+    from gradcomm.comm.backends.mpi.abort import abort_on_error_enabled
 
     with pytest.raises(ValueError, match="GRADCOMM_MPI_ABORT_ON_ERROR"):
         abort_on_error_enabled({"GRADCOMM_MPI_ABORT_ON_ERROR": raw})

@@ -14,7 +14,7 @@ import torch
 from mpi_scripts.reducer_common import seeded
 from torch import nn
 
-from gradcomm.comm.backends._threads import ThreadCommunicator, ThreadGroup
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer, _buckets
 
 # Outputs of the large layer: its weight is above the batching size (read once, before a test

@@ -17,7 +17,7 @@ from mpi_scripts.reducer_common import (
 )
 
 import gradcomm
-from gradcomm.comm.backends._threads import ThreadCommunicator, ThreadGroup
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import (
     CommHook,
     GradBucket,

@@ -16,7 +16,7 @@ from test_example import RUN_TIMEOUT, SCRIPT, _check_output, _load_example
 from torch import nn
 
 import gradcomm
-from gradcomm.comm.backends._threads import ThreadCommunicator, ThreadGroup
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer, PowerSGDState, powersgd_hook
 
 from dist_utils import run_mpi, run_processes

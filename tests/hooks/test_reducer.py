@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradcomm
-from gradcomm.comm.backends._threads import ThreadCommunicator, ThreadGroup
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer, apply_gradient_allreduce
 from gradcomm.hooks._structure import StructureWatch
 from gradcomm.hooks.reducer import (

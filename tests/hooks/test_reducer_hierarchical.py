@@ -22,7 +22,7 @@ from p2p_split_checks import expect_error
 from ranks import RankRunner
 
 import gradcomm
-from gradcomm.comm.backends._threads import ThreadGroup
+from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.hooks import GradientReducer
 
 

@@ -15,7 +15,7 @@ from ranks import RankRunner
 from torch import nn
 
 import gradcomm
-from gradcomm.comm.backends._threads import ThreadCommunicator, ThreadGroup
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer
 
 from dist_utils import run_processes

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradcomm.comm.backends._threads import ThreadCommunicator, ThreadGroup
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer, apply_gradient_allreduce
 
 

@@ -112,7 +112,7 @@ def test_digits_example_trains_sharded(backend: str, zero: str) -> None:
 
 # ----------------------------------------------------------------------------- thread ranks (fast)
 def _thread_group(n: int) -> object:
-    from gradcomm.comm.backends._threads import ThreadGroup
+    from gradcomm.comm.backends.threads import ThreadGroup
 
     return ThreadGroup(n, timeout=60)
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import gradcomm
-from gradcomm.comm.backends.mpi import MPICommunicator
+from gradcomm.comm.backends.mpi.communicator import MPICommunicator
 
 N = 37
 INT_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]

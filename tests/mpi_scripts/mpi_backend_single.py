@@ -12,7 +12,7 @@ import sys
 import torch
 
 import gradcomm
-from gradcomm.comm.backends.mpi import MPICommunicator
+from gradcomm.comm.backends.mpi.communicator import MPICommunicator
 
 calls: list[str] = []
 

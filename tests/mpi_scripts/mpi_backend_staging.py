@@ -1,7 +1,7 @@
 """Run under ``mpiexec -n N``: the device-buffer path of the MPI backend, without a GPU.
 
 No GPU is needed: a CPU communicator is given an adapter with the interface of
-``gradcomm.comm.backends.mpi_device.DeviceBufferAdapter``. ``zero-copy`` mode hands MPI an object
+``gradcomm.comm.backends.mpi.device.DeviceBufferAdapter``. ``zero-copy`` mode hands MPI an object
 exposing ``__cuda_array_interface__`` over the tensor's host memory (mpi4py's own test trick);
 ``staged`` mode hands MPI a separate host copy, so results are right only if ``finish()`` runs
 after completion and before the caller sees the tensor. Prints ``RESULT staging <mode> ok`` per
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 import gradcomm
-from gradcomm.comm.backends.mpi import MPICommunicator
+from gradcomm.comm.backends.mpi.communicator import MPICommunicator
 
 
 class FakeDeviceArray:
@@ -99,7 +99,7 @@ def check_real_adapter(comm: MPICommunicator, cuda_aware: bool) -> None:
     """The real DeviceBufferAdapter on CPU tensors: fake device arrays, or host staging."""
     import warnings
 
-    from gradcomm.comm.backends.mpi_device import DeviceBufferAdapter
+    from gradcomm.comm.backends.mpi.device import DeviceBufferAdapter
 
     syncs: list[int] = []
     adapter = DeviceBufferAdapter(
@@ -140,7 +140,7 @@ def main() -> None:
         print(f"RESULT staging {'staged' if staged else 'zero-copy'} ok rank={comm.rank}",
               flush=True)
     try:
-        from gradcomm.comm.backends import mpi_device  # noqa: F401
+        from gradcomm.comm.backends.mpi import device as mpi_device  # noqa: F401
     except ImportError:
         print("RESULT staging real-adapter skipped (no mpi_device module)", flush=True)
     else:

@@ -4,7 +4,8 @@ NCCL needs one 128-byte unique id, made by rank 0 and known to every rank, befor
 communicator exists. Here it travels over MPI (mpi4py's ``bcast``) when the job was started by
 ``mpirun``/``mpiexec``, so such a job needs no ``MASTER_ADDR``/``MASTER_PORT`` and no torch
 store; otherwise (torchrun, explicit ranks) over the store of
-:func:`gradcomm.comm._rendezvous.create_store`. MPI carries only the id: the data moves by NCCL.
+:func:`gradcomm.comm.launch.rendezvous.create_store`. MPI carries only the id: the data moves
+by NCCL.
 
 Capability table: the nccl backend's (:mod:`gradcomm.comm.backends.nccl`): float16, bfloat16,
 float32, float64, int8, uint8, int32, int64 native on CUDA; SUM, AVG (``ncclAvg``), MIN, MAX,
@@ -46,16 +47,14 @@ from typing import Any
 
 import torch
 
-from .._cuda_packages import cupy_pip, nccl_pip
-from .._rendezvous import create_store
-from .._split import SplitPlan
-from ..communicator import Communicator
+from ..communicator import Communicator, SplitPlan, Transfer
 from ..errors import BackendUnavailableError
-from ..launcher import Launcher, LaunchInfo
+from ..launch.launcher import Launcher, LaunchInfo
+from ..launch.rendezvous import create_store
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
 from .cuda_event import CudaEventWork
-from .cupy_nccl_ops import NCCLGroupOps
+from .cuda_packages import cupy_pip, nccl_pip
 from .nccl import (
     NCCL_REDUCE_OPS,
     check_same_device,
@@ -78,8 +77,9 @@ def cupy_nccl_unavailable() -> Exception | None:
     """Why the cupy-nccl backend cannot run here, or None; imports cupy only when CUDA is there.
 
     Returns:
-        ImportError naming the pip command of :func:`~gradcomm.comm._cuda_packages.cupy_pip` (the
-        CuPy of torch's CUDA major) when cupy is missing;
+        ImportError naming the pip command of
+        :func:`~gradcomm.comm.backends.cuda_packages.cupy_pip` (the CuPy of torch's CUDA major)
+        when cupy is missing;
         BackendUnavailableError when there is no CUDA device or CuPy finds no NCCL library.
     """
     if importlib.util.find_spec("cupy") is None:
@@ -116,7 +116,7 @@ def as_tensor(array: Any) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
-class CupyNCCLCommunicator(NCCLGroupOps, Communicator):
+class CupyNCCLCommunicator(Communicator):
     """Collectives on CUDA tensors through ``cupy.cuda.nccl.NcclCommunicator``.
 
     Args:
@@ -287,6 +287,104 @@ class CupyNCCLCommunicator(NCCLGroupOps, Communicator):
             (input, output), lambda comm, s: comm.allGather(send, recv, nbytes, uint8, s),
             description,
         )
+
+    # Beyond all-reduce, broadcast and all-gather: one NCCL call each, or one NCCL group of
+    # sends and receives where NCCL has no call of its own (all-to-all, gather, scatter), as
+    # NCCL's documentation and torch's ProcessGroupNCCL build them.
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                        description: DescriptionLike) -> Work:
+        send, recv, count = input.data_ptr(), output.data_ptr(), output.numel()
+        dtype, nccl_op = self._dtypes[output.dtype], self._ops[op]
+        return self._launch(
+            (input, output),
+            lambda comm, s: comm.reduceScatter(send, recv, count, dtype, nccl_op, s),
+            description,
+        )
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+                    input_counts: list[int], description: DescriptionLike) -> Work:
+        # NCCL has no all-to-all call: one send and one receive per peer inside a group call is
+        # how NCCL's own documentation (and ProcessGroupNCCL) builds it.
+        size = input.element_size()
+        return self._exchange_bytes(output, input, [c * size for c in output_counts],
+                                    [c * size for c in input_counts], description)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
+                description: DescriptionLike) -> Work:
+        ptr, count = tensor.data_ptr(), tensor.numel()
+        dtype, nccl_op = self._dtypes[tensor.dtype], self._ops[op]
+        return self._launch(
+            (tensor,), lambda comm, s: comm.reduce(ptr, ptr, count, dtype, nccl_op, dst, s),
+            description,
+        )
+
+    def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
+                description: DescriptionLike) -> Work:
+        # NCCL has no gather: sends to the root and, on it, one receive per rank, in a group.
+        n = input.numel() * input.element_size()
+        counts = [n if output is not None else 0] * self.world_size
+        sends = [n if peer == dst else 0 for peer in range(self.world_size)]
+        return self._exchange_bytes(output, input, counts, sends, description)
+
+    def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
+                 description: DescriptionLike) -> Work:
+        n = output.numel() * output.element_size()
+        sends = [n if input is not None else 0] * self.world_size
+        counts = [n if peer == src else 0 for peer in range(self.world_size)]
+        return self._exchange_bytes(output, input, counts, sends, description)
+
+    def _exchange_bytes(self, output: torch.Tensor | None, input: torch.Tensor | None,
+                        recv_bytes: list[int], send_bytes: list[int],
+                        description: DescriptionLike) -> Work:
+        """One group of sends and receives: ``send_bytes[p]`` bytes of ``input`` (consecutive,
+        rank order) to each peer ``p``, ``recv_bytes[p]`` into ``output`` from each."""
+        nccl, uint8 = self._nccl_mod, self._nccl_mod.NCCL_UINT8
+        send = 0 if input is None else input.data_ptr()
+        recv = 0 if output is None else output.data_ptr()
+
+        def call(comm: Any, stream: int) -> None:
+            nccl.groupStart()
+            try:
+                at_send = at_recv = 0
+                for peer, (n_send, n_recv) in enumerate(zip(send_bytes, recv_bytes,
+                                                            strict=True)):
+                    if n_send:
+                        comm.send(send + at_send, n_send, uint8, peer, stream)
+                    if n_recv:
+                        comm.recv(recv + at_recv, n_recv, uint8, peer, stream)
+                    at_send += n_send
+                    at_recv += n_recv
+            finally:
+                nccl.groupEnd()
+
+        tensors = tuple(t for t in (input, output) if t is not None)
+        return self._launch(tensors, call, description)
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        uint8 = self._nccl_mod.NCCL_UINT8  # NCCL has no tags: transfers match in order
+        return self._launch((tensor,), lambda comm, s: comm.send(ptr, nbytes, uint8, dst, s),
+                            description)
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        uint8 = self._nccl_mod.NCCL_UINT8
+        return self._launch((tensor,), lambda comm, s: comm.recv(ptr, nbytes, uint8, src, s),
+                            description)
+
+    def _post_batch(self, prepared: list[Transfer]) -> list[Work]:
+        # One NCCL group: its sends and receives progress together (no order can deadlock).
+        nccl = self._nccl_mod
+        self._batch = []
+        nccl.groupStart()
+        try:
+            works = [self._post_transfer(p, True) for p in prepared]
+        finally:
+            nccl.groupEnd()
+            events, self._batch = self._batch, None
+            for event in events:
+                event.record(self._stream)
+        return works
 
     def _split_child(self, plan: SplitPlan) -> CupyNCCLCommunicator | None:
         """A new NCCL communicator per color: each group's first member makes the unique id,

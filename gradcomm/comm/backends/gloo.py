@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..launcher import LaunchInfo, cpus_per_local_process
+from ..launch.launcher import LaunchInfo, cpus_per_local_process
 from ..types import Support, SupportLevel
 from .torch_dist import TorchDistCommunicator
 

@@ -46,9 +46,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._p2p import Transfer, post_in_pair_order
+from ..communicator import P2PKind, Transfer
 from ..errors import BackendUnavailableError
-from ..launcher import LaunchInfo
+from ..launch.launcher import LaunchInfo
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work
 from .torch_dist import TorchDistCommunicator, TorchWork
@@ -64,6 +64,7 @@ __all__ = [
     "nccl_support",
     "nccl_unavailable",
     "poll_until_done",
+    "post_in_pair_order",
     "resolve_cuda_device",
 ]
 
@@ -153,6 +154,27 @@ def check_same_device(tensor: torch.Tensor, device: torch.device, opname: str) -
         raise ValueError(
             f"{opname}: tensor is on {tensor.device}, but this communicator's GPU is {device}"
         )
+
+
+def post_in_pair_order(rank: int, ops: list[Transfer],
+                       post: Callable[[Transfer], Work]) -> list[Work]:
+    """``post`` each of ``ops`` in an order where transfers that block until matched cannot
+    deadlock; return the works in the order of ``ops``.
+
+    Per peer, the lower rank of the pair posts its sends before its receives and the higher rank
+    its receives before its sends; sends keep their order among sends, receives among receives
+    (so tags still match in order). Used where each transfer occupies one stream per pair of
+    ranks (NCCL without a group call).
+    """
+    def key(item: tuple[int, Transfer]) -> tuple[int, int, int]:
+        index, p = item
+        first = P2PKind.SEND if rank < p.peer else P2PKind.RECV
+        return (p.peer, 0 if p.kind is first else 1, index)
+
+    works: list[Work | None] = [None] * len(ops)
+    for index, p in sorted(enumerate(ops), key=key):
+        works[index] = post(p)
+    return [w for w in works if w is not None]
 
 
 #: Polling interval bounds of the NCCL-family waits, seconds (doubling from first to second).
@@ -294,7 +316,7 @@ class NCCLCommunicator(TorchDistCommunicator):
         # NCCL's send and recv each block their stream until matched, and the two ranks of a pair
         # share one stream: a ring posted send-first on every rank would deadlock, so the lower
         # rank of each pair sends first. torch's own batching API needs a registered group.
-        return post_in_pair_order(self.rank, prepared, lambda p: self._post_one(p, True))
+        return post_in_pair_order(self.rank, prepared, lambda p: self._post_transfer(p, True))
 
     def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
         tail = super()._check_tensor(tensor, opname, reduction=reduction)

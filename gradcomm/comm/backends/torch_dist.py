@@ -18,10 +18,10 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from .._rendezvous import rendezvous
-from .._split import SplitPlan
-from ..communicator import Communicator, flat_bytes
-from ..launcher import Launcher, LaunchInfo
+from ..checks import flat_bytes
+from ..communicator import Communicator, SplitPlan
+from ..launch.launcher import Launcher, LaunchInfo
+from ..launch.rendezvous import rendezvous
 from ..types import ReduceOp
 from ..work import DescriptionLike, Work
 

@@ -1,10 +1,13 @@
 """The MPI backend: collectives over mpi4py on a duplicate of ``MPI.COMM_WORLD``.
 
+Every MPI call of a communicator runs on its progress thread (:mod:`.progress`), in posting
+order: collectives as MPI's blocking calls (``MPI_Allreduce``, ``MPI_Bcast``,
+``MPI_Reduce_scatter_block``, ...), transfers as ``MPI_Isend``/``MPI_Irecv``. The caller gets an
+:class:`~gradcomm.comm.backends.mpi.progress.MPIWork` at once and waits on it without polling.
 CPU tensors are handed to MPI without a copy (``MPI.buffer.fromaddress`` views of their memory,
 ``MPI.IN_PLACE`` for all-reduce); MPI datatypes come from
 :func:`mpi4py.util.dtlib.from_numpy_dtype` (decoded to the predefined type, which MPI's reduction
-ops need). Every collective is non-blocking (``Iallreduce``, ``Ibcast``, ``Iallgather``,
-``Ibarrier``) and returns an :class:`MPIWork`.
+ops need).
 
 Capability table (in the manner of ChainerMN's communicator factory):
 
@@ -17,80 +20,77 @@ int64 (cpu)
 bool (cpu)                      native         SUM and MAX are logical or, PRODUCT and MIN
                                                logical and (MPI_C_BOOL with LOR / LAND)
 float16, bfloat16 (cpu)         emulated-slow  MPI has no bfloat16 and MPICH's float16 SUM is
-                                               slow (much slower than float32). With 2
-                                               ranks, and for MIN/MAX at any size: a
-                                               user-defined MPI op adds the 16-bit data with
-                                               torch (one rounding per element, so the result
-                                               equals the float32 reference rounded back).
-                                               With 3+ ranks SUM/PRODUCT upcast to a float32
+                                               slow. all_reduce with 2 ranks, and MIN/MAX at
+                                               any size: a user-defined MPI op adds the 16-bit
+                                               data with torch (one rounding per element, so
+                                               the result equals the float32 reference
+                                               rounded back). Otherwise (and for
+                                               reduce_scatter and reduce): upcast to a float32
                                                scratch buffer, reduce, round back once
-                                               (``transfer_dtype`` float32). SlowPathWarning
-                                               from the gradient manager.
-ReduceOp.AVG                    emulated       MPI has no average: SUM, then divide (in the
-                                               tensor's dtype, by the base class)
-any dtype, broadcast and        native         moved as raw bytes (``MPI.BYTE``)
-all_gather
+                                               (``transfer_dtype`` float32).
+ReduceOp.AVG                    emulated       MPI has no average: SUM, then divide
+any dtype, data movement        native         moved as raw bytes (``MPI.BYTE``)
 CUDA tensors (``device=cuda``)  as above       CuPy views when MPI is CUDA-aware; otherwise
                                                staged through pinned host memory, reported as
                                                emulated-slow (``GRADCOMM_MPI_CUDA_AWARE=0|1``
                                                overrides detection); fp16/bf16 always upcast
 complex64, complex128           via real view  the base class reduces ``view_as_real`` (SUM/AVG)
-other dtypes (float8, ...)      unsupported    all_reduce raises TypeError
+other dtypes (float8, ...)      unsupported    reductions raise TypeError
 ==============================  =============  ===============================================
-
-Progress: see :mod:`gradcomm.comm.backends.mpi.work` (waiting polls MPI, which advances a
-non-blocking collective only inside calls into it).
 
 Failure behaviour: a collective that does not complete within the communicator's timeout (or the
 timeout given to ``wait``) raises :class:`~gradcomm.CollectiveTimeoutError`; MPI cannot cancel a
-started collective, so every later collective on the communicator raises RuntimeError for as long
-as that one is still pending (a late peer that catches up makes it usable again; see
-:class:`~gradcomm.comm.Communicator`). A :class:`MPIWork` dropped before completion is kept by
-the communicator until MPI is done with its buffers (its copy-back and averaging still run then,
-at a later collective; an error they raise is logged as a warning on ``gradcomm.comm.mpi`` and
-kept for that work's ``wait()``, not raised by the later collective, which would leave this rank
-out of step with the others). Under ``mpiexec`` with more than one rank, creating a communicator
-installs (once per process, chaining the previous hook) a :data:`sys.excepthook` that prints the
-traceback and calls ``MPI.COMM_WORLD.Abort(1)`` -- what ``python -m mpi4py`` does -- so an
-uncaught error on one rank ends the whole job instead of leaving the other ranks spinning in a
-collective. Set ``GRADCOMM_MPI_ABORT_ON_ERROR=0`` to opt out.
+started collective, so every later collective on the communicator raises RuntimeError while that
+one is pending (a late peer that catches up makes it usable again). Under ``mpiexec`` with more
+than one rank, creating a communicator installs (once per process, chaining the previous hook) a
+:data:`sys.excepthook` that prints the traceback and calls ``MPI.COMM_WORLD.Abort(1)`` -- what
+``python -m mpi4py`` does -- so an uncaught error on one rank ends the whole job instead of
+leaving the other ranks in a collective. Set ``GRADCOMM_MPI_ABORT_ON_ERROR=0`` to opt out.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from mpi4py import MPI
 
-from ..._mpi_abort import abort_on_error_enabled, install_abort_hook
-from ...communicator import Communicator, flat_bytes
+from ...checks import flat_bytes
+from ...communicator import Communicator, SplitPlan
 from ...errors import BackendUnavailableError
-from ...launcher import Launcher, LaunchInfo, check_launch_matches_mpi, cpus_per_local_process
-from ...types import ReduceOp, Support
+from ...launch.launcher import (
+    Launcher,
+    LaunchInfo,
+    check_launch_matches_mpi,
+    cpus_per_local_process,
+)
+from ...types import Collective, ReduceOp, Support, SupportLevel
 from ...work import DescriptionLike, Work
-from . import compiled
-from .compiled_calls import CompiledCalls
-from .dtypes import HALF, MPI_BUFFER, SUM_FAST, mpi_op, predefined_datatype
-from .groups import MPIGroupOps
+from .abort import abort_on_error_enabled, install_abort_hook
+from .dtypes import HALF, MPI_BUFFER, mpi_op, predefined_datatype
 from .ops16 import half_op, uses_user_op
+from .progress import MPIWork, ProgressThread
 from .scratch import ScratchPool
-from .shard import MPIShardOps
 from .support import classify
-from .work import MPIWork
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpi4py import MPI as MPIModule
 
 __all__ = ["MPICommunicator"]
 
-logger = logging.getLogger("gradcomm.comm.mpi")
+#: What a call reads and writes: (contiguous tensor, MPI reads it, MPI writes it).
+_Wire = tuple[torch.Tensor, bool, bool]
+#: Seconds close() waits for the progress thread to free the communicator.
+_CLOSE_WAIT_S = 5.0
 
 
-class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
+def _thread_level_names() -> dict[int, str]:
+    return {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+            MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+
+
+class MPICommunicator(Communicator):
     """Collectives through mpi4py on a private duplicate of ``MPI.COMM_WORLD``.
 
     Args:
@@ -101,12 +101,12 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
             (``None``: forever).
         device: ``None`` or cpu for CPU tensors; a CUDA device for GPU tensors (CuPy views when MPI
             is CUDA-aware, else staged through pinned host memory; see
-            :mod:`gradcomm.comm.backends.mpi_device`). ``cuda`` without an index means
+            :mod:`gradcomm.comm.backends.mpi.device`). ``cuda`` without an index means
             ``cuda:<local_rank mod device count>``.
 
     Raises:
-        RuntimeError: MPI's rank/size disagree with ``launch``; CUDA with an MPI thread level
-            below ``MPI_THREAD_SERIALIZED``.
+        RuntimeError: MPI's rank/size disagree with ``launch``; MPI gives a thread level below
+            ``MPI_THREAD_MULTIPLE`` (the progress thread calls MPI beside the caller).
         BackendUnavailableError: ``device`` is CUDA but no CUDA device is available.
         ValueError: ``device`` is neither cpu nor cuda, or timeout is not positive.
 
@@ -135,9 +135,14 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
                 "the mpi backend was asked for CUDA tensors, but torch.cuda.is_available() is False"
             )
         abort_on_error = abort_on_error_enabled()  # a bad value raises before any collective
+        provided = MPI.Query_thread()
+        if provided < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                f"MPI gives thread level {_thread_level_names().get(provided, provided)!r}; the "
+                "mpi backend needs 'multiple' (set mpi4py.rc.thread_level = 'multiple' before "
+                "importing mpi4py.MPI)")
         world = MPI.COMM_WORLD
-        mpi_size = world.Get_size()
-        if launch.launcher is Launcher.SINGLE and mpi_size > 1:
+        if launch.launcher is Launcher.SINGLE and world.Get_size() > 1:
             launch = self._launch_from_mpi(world)
         else:
             check_launch_matches_mpi(world, launch)
@@ -146,35 +151,28 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
             dev = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
         super().__init__(rank=launch.rank, world_size=launch.world_size,
                          local_rank=launch.local_rank, device=dev, timeout=timeout)
-        self._attach(launch, world.Dup())
+        self._cuda_aware = False
+        self._cuda_reason = ""
+        adapter = None
         if dev.type == "cuda":
-            from .. import mpi_device  # lazy: needs cupy only on this branch
+            from . import device as mpi_device  # lazy: needs cupy only on this branch
 
-            mpi_device.check_thread_level(MPI)  # gradient hooks call MPI from autograd's threads
             torch.cuda.set_device(dev)  # this rank's GPU, not GPU 0, for contexts and copies
             self._cuda_aware, self._cuda_reason = mpi_device.cuda_aware_mpi()
-            self._adapter = mpi_device.DeviceBufferAdapter(self._cuda_aware)
+            adapter = mpi_device.DeviceBufferAdapter(self._cuda_aware)
+        self._attach(launch, world.Dup(), adapter)
         if launch.world_size > 1 and abort_on_error:
             install_abort_hook()
 
-    def _attach(self, launch: LaunchInfo, comm: MPIModule.Comm) -> None:
+    def _attach(self, launch: LaunchInfo, comm: MPIModule.Comm, adapter: Any) -> None:
         """This communicator's state over ``comm`` (a duplicate of the world, or a split)."""
         self.launch = launch
         self._comm = comm  # type: ignore[assignment]  # Split's result: an Intracomm
-        self._adapter = None
-        # Works whose requests have not completed, oldest first (see MPIWork).
-        self._inflight: list[MPIWork] = []
+        self._adapter = adapter
         self._scratch = ScratchPool()
         self._datatypes: dict[torch.dtype, MPI.Datatype] = {}
-        # The datatypes of SUM_FAST dtypes looked up so far (the gradient path of _all_reduce).
-        self._sum_datatypes: dict[torch.dtype, MPI.Datatype] = {}
         self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
-        self._cuda_aware = False
-        self._cuda_reason = ""
-        self._compiled = compiled.calls(self, comm, launch.world_size, launch.rank,
-                                        wanted=self._on_cpu)
-        if self._compiled is not None:
-            compiled.bind_batch(self)
+        self._progress = ProgressThread(f"gradcomm-mpi-rank{launch.rank}")
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:
@@ -189,7 +187,8 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
 
     @property
     def mpi_comm(self) -> MPIModule.Intracomm:
-        """The private duplicate of ``MPI.COMM_WORLD`` (do not free it; :meth:`close` does)."""
+        """The private duplicate of ``MPI.COMM_WORLD`` (do not free it; :meth:`close` does; do
+        not call collectives on it: the progress thread's would interleave with them)."""
         if self._comm is None:
             raise RuntimeError("mpi communicator is closed")
         return self._comm
@@ -204,17 +203,9 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
 
     @property
     def background_progress(self) -> bool:
-        """True only with an asynchronous progress thread and >= 2 CPU cores per process.
-
-        Without one, a non-blocking MPI collective advances only inside MPI calls (our polls), so
-        overlapping it with backward cannot hide its time. The thread is MPICH's
-        ``MPIR_CVAR_ASYNC_PROGRESS=1`` (alias ``MPICH_ASYNC_PROGRESS``) or Intel MPI's
-        ``I_MPI_ASYNC_PROGRESS=1``, read from the environment; it needs a core of its own.
-        """
-        names = ("MPIR_CVAR_ASYNC_PROGRESS", "MPICH_ASYNC_PROGRESS", "I_MPI_ASYNC_PROGRESS")
-        thread = any(os.environ.get(n, "").strip().lower() in ("1", "yes", "true", "on")
-                     for n in names)
-        return thread and cpus_per_local_process(self.launch.local_world_size) >= 2
+        """True when each process on this host has >= 2 CPU cores: one for the progress thread,
+        which sits in MPI for a collective while the caller computes."""
+        return cpus_per_local_process(self.launch.local_world_size) >= 2
 
     @property
     def cuda_aware(self) -> bool:
@@ -223,13 +214,8 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
 
     # ------------------------------------------------------------------ capability
     def _supports(self, dtype: torch.dtype, device: torch.device | str | None) -> Support:
-        """How ``dtype`` on ``device`` (default: this communicator's) is all-reduced.
-
-        Returns NATIVE for the dtypes MPI reduces itself, EMULATED_SLOW with ``transfer_dtype``
-        float32 for float16/bfloat16 (upcast), EMULATED_SLOW for anything on CUDA when MPI is not
-        CUDA-aware (host staging), and UNSUPPORTED for other dtypes or a device type this
-        communicator was not built for.
-        """
+        """How ``dtype`` on ``device`` (default: this communicator's) is all-reduced (the table
+        in the module docstring)."""
         dev_type = self.device.type if device is None else torch.device(device).type
         key = (dtype, dev_type)
         cached = self._support_cache.get(key)
@@ -240,148 +226,210 @@ class MPICommunicator(CompiledCalls, MPIShardOps, MPIGroupOps, Communicator):
             )
         return cached
 
+    def _supports_collective(self, collective: Collective, dtype: torch.dtype,
+                             device: torch.device | None, base: Support) -> Support:
+        if (collective in (Collective.REDUCE_SCATTER, Collective.REDUCE) and dtype in HALF
+                and base.is_supported and base.transfer_dtype != torch.float32):
+            # all_reduce's user-defined 16-bit op is not used here: always the upcast
+            return Support(SupportLevel.EMULATED_SLOW, f"MPI has no fast {dtype} reduction: "
+                           "upcast to float32, reduce, round back", torch.float32)
+        return base
+
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
-        # The gradient path -- SUM of host memory of a dtype MPI reduces natively (not bool),
-        # whose datatype an earlier call looked up, with nothing pending -- is posted in a few
-        # steps: small all-reduces pay every nested call of the general path below.
-        datatype = self._sum_datatypes.get(tensor.dtype)
-        comm = self._comm
-        if (datatype is not None and op is ReduceOp.SUM and comm is not None
-                and not self._inflight and self._adapter is None):
-            buf = MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
-            request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], MPI.SUM)
-            request.Test()  # as below: a waiting peer gets this rank's data now
-            return MPIWork(request, description, self._timeout,
-                           (tensor, tensor.untyped_storage(), buf), self._inflight)
-        return self._post_all_reduce(tensor, op, description)
-
-    def _post_all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike
-    ) -> Work:
-        """Every all-reduce outside the gradient path: 16-bit data, bool, other ops, device
-        memory, or one issued while another is pending (which it drives first)."""
-        comm = self._live_comm()
-        dtype = tensor.dtype
-        flat = tensor if tensor.dim() == 1 else tensor.view(-1)
-        scratch: torch.Tensor | None = None
-        if dtype in HALF and self._adapter is None and uses_user_op(op, self.world_size):
-            wire = flat.view(torch.int16)
-            reduce_op, datatype = half_op(dtype, op), MPI.INT16_T
-        else:
-            if dtype in HALF:
-                scratch = self._scratch.take(flat.numel(), flat.device)
-                wire = scratch[: flat.numel()]
-                wire.copy_(flat)
-            else:
-                wire = flat
-            reduce_op = mpi_op(op, wire.dtype)
-            datatype = self._datatype(wire.dtype)
-        buf, finish = self._prepare(wire)
-        request = comm.Iallreduce(MPI.IN_PLACE, [buf, datatype], reduce_op)
-        # One Test() at once: a peer already waiting gets this rank's first message now, not
-        # after the Python that wraps the request (MPI advances only inside MPI calls).
-        request.Test()
-        work = self._work(request, description, (tensor, wire, wire.untyped_storage(), buf))
-        if finish is not None:
-            work.add_callback(finish)
-        if scratch is not None:
-            upcast, pool = wire, self._scratch
-
-            def _round_back() -> None:
-                flat.copy_(upcast)
-                pool.give(scratch)
-
-            work.add_callback(_round_back)
-        return work
+        if tensor.dtype in HALF:
+            if self._adapter is None and uses_user_op(op, self.world_size):
+                mop = half_op(tensor.dtype, op)  # MPI sees int16; the op adds 16-bit floats
+                return self._start(
+                    lambda c, b: c.Allreduce(MPI.IN_PLACE, [b[0], MPI.INT16_T], mop),
+                    description, (tensor.view(torch.int16), True, True), as_bytes=False)
+            return self._widened(self._all_reduce, tensor, op, description)
+        datatype, mop = self._datatype(tensor.dtype), mpi_op(op, tensor.dtype)
+        return self._start(lambda c, b: c.Allreduce(MPI.IN_PLACE, [b[0], datatype], mop),
+                           description, (tensor, True, True), as_bytes=False)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
-        return self._post(lambda comm, b: comm.Ibcast([b[0], MPI.BYTE], root=src),
-                          description, (tensor, True, True))
+        return self._start(lambda c, b: c.Bcast([b[0], MPI.BYTE], root=src), description,
+                           (tensor, True, True))
 
     def _all_gather(
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
     ) -> Work:
-        return self._post(lambda comm, b: comm.Iallgather([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
-                          description, (input, True, False), (output, False, True))
+        return self._start(lambda c, b: c.Allgather([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
+                           description, (input, True, False), (output, False, True))
+
+    def _all_gather_v(self, output: torch.Tensor, input: torch.Tensor, counts: list[int],
+                      description: DescriptionLike) -> Work:
+        size = input.element_size()
+        recv = [c * size for c in counts]
+        disp = _displacements(recv)
+        return self._start(
+            lambda c, b: c.Allgatherv([b[0], MPI.BYTE], [b[1], (recv, disp), MPI.BYTE]),
+            description, (input, True, False), (output, False, True))
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                        description: DescriptionLike) -> Work:
+        if output.dtype in HALF:
+            wide_out = torch.empty_like(output, dtype=torch.float32)
+            work = self._reduce_scatter(wide_out, input.to(torch.float32), op, description)
+            work.add_callback(lambda: output.copy_(wide_out))
+            return work
+        datatype, mop, n = self._datatype(output.dtype), mpi_op(op, output.dtype), output.numel()
+        return self._start(
+            lambda c, b: c.Reduce_scatter_block([b[0], n, datatype], [b[1], n, datatype], mop),
+            description, (input, True, False), (output, False, True), as_bytes=False)
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+                    input_counts: list[int], description: DescriptionLike) -> Work:
+        size = input.element_size()
+        send = [c * size for c in input_counts]
+        recv = [c * size for c in output_counts]
+        if len(set(send)) == 1 and send == recv:  # even splits: MPI's Alltoall
+            return self._start(lambda c, b: c.Alltoall([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
+                               description, (input, True, False), (output, False, True))
+        sdisp, rdisp = _displacements(send), _displacements(recv)
+        return self._start(
+            lambda c, b: c.Alltoallv([b[0], (send, sdisp), MPI.BYTE],
+                                     [b[1], (recv, rdisp), MPI.BYTE]),
+            description, (input, True, False), (output, False, True))
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
+                description: DescriptionLike) -> Work:
+        if tensor.dtype in HALF:
+            return self._widened(lambda t, o, d: self._reduce(t, dst, o, d), tensor, op,
+                                 description)
+        datatype, mop = self._datatype(tensor.dtype), mpi_op(op, tensor.dtype)
+        if self.rank == dst:
+            return self._start(
+                lambda c, b: c.Reduce(MPI.IN_PLACE, [b[0], datatype], mop, root=dst),
+                description, (tensor, True, True), as_bytes=False)
+        return self._start(lambda c, b: c.Reduce([b[0], datatype], None, mop, root=dst),
+                           description, (tensor, True, False), as_bytes=False)
+
+    def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
+                description: DescriptionLike) -> Work:
+        if output is None:
+            return self._start(lambda c, b: c.Gather([b[0], MPI.BYTE], None, root=dst),
+                               description, (input, True, False))
+        return self._start(lambda c, b: c.Gather([b[0], MPI.BYTE], [b[1], MPI.BYTE], root=dst),
+                           description, (input, True, False), (output, False, True))
+
+    def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
+                 description: DescriptionLike) -> Work:
+        if input is None:
+            return self._start(lambda c, b: c.Scatter(None, [b[0], MPI.BYTE], root=src),
+                               description, (output, False, True))
+        return self._start(
+            lambda c, b: c.Scatter([b[1], MPI.BYTE], [b[0], MPI.BYTE], root=src),
+            description, (output, False, True), (input, True, False))
 
     def _barrier(self, description: DescriptionLike) -> Work:
-        return self._work(self._live_comm().Ibarrier(), description, ())
+        return self._start(lambda c, b: c.Barrier(), description)
+
+    # ------------------------------------------------------------------ point-to-point
+    # Posted non-blocking by the progress thread, which goes on with its queue: a transfer must
+    # not wait in posting order for its match (see .progress).
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
+        return self._start(lambda c, b: c.Isend([b[0], MPI.BYTE], dst, tag), description,
+                           (tensor, True, False))
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
+        return self._start(lambda c, b: c.Irecv([b[0], MPI.BYTE], src, tag), description,
+                           (tensor, False, True), expect_bytes=tensor.nbytes)
+
+    # ------------------------------------------------------------------ sub-communicators
+    def _split_child(self, plan: SplitPlan) -> Communicator | None:
+        """``Comm.Split`` of this communicator, run in order on its progress thread (every rank
+        calls it; non-members get None)."""
+        color = MPI.UNDEFINED if plan.color is None else plan.color
+        comm = self.mpi_comm
+        box: list[MPIModule.Comm] = []
+        split = MPIWork(f"split #{plan.index} (mpi, rank {self.rank}/{self.world_size})",
+                        self._timeout)
+        self._progress.submit(split, lambda: box.append(comm.Split(color, plan.rank)))
+        self._complete(split, False, None)
+        if plan.color is None:
+            return None
+        child = object.__new__(type(self))  # this backend's state over the new comm
+        Communicator.__init__(child, rank=plan.rank, world_size=len(plan.members),
+                              local_rank=plan.local_rank, device=self.device,
+                              timeout=self._timeout)
+        child._cuda_aware, child._cuda_reason = self._cuda_aware, self._cuda_reason
+        child._attach(LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
+                                 plan.local_world_size, Launcher.EXPLICIT), box[0], self._adapter)
+        return child
 
     def _close(self) -> None:
         comm, self._comm = self._comm, None
-        self._compiled = None
-        vars(self).pop("batch_isend_irecv", None)
         if comm is None or MPI.Is_finalized():
+            self._progress.stop(0.0)
             return
-        for work in list(self._inflight):
-            work.is_completed()
-        # A communicator with a collective still pending (a timed-out or dropped one, whose peer
-        # may be dead) is left to MPI_Finalize: freeing it would wait for that collective.
-        if not self._inflight:
-            comm.Free()
+        # Freed behind every call posted so far. A collective still pending (a timed-out one,
+        # whose peer may be dead) would hold the thread, and the comm is then left to
+        # MPI_Finalize; close() does not wait for it.
+        freed = MPIWork("free", None)
+        self._progress.submit(freed, lambda: comm.Free())
+        stalled = self._stalls.stalled is not None
+        self._progress.stop(0.0 if stalled else _CLOSE_WAIT_S)
 
-    # ------------------------------------------------------------------ helpers
-    def _live_comm(self) -> MPIModule.Intracomm:
-        if self._inflight:
-            self._drive_oldest()
-        return self.mpi_comm
+    # ------------------------------------------------------------------ the hand-over
+    def _start(self, call: Callable[[MPIModule.Intracomm, list[Any]], MPI.Request | None],
+               description: DescriptionLike, *wires: _Wire, as_bytes: bool = True,
+               expect_bytes: int | None = None) -> Work:
+        """Queue ``call(comm, buffers)`` on the progress thread, on MPI buffers of ``wires``.
 
-    def _drive_oldest(self) -> None:
-        """Test the oldest pending work once: one whose Work was dropped then completes (its
-        callbacks run) and leaves the list, freeing its buffers."""
-        oldest = self._inflight[0]
-        try:
-            oldest.is_completed()
-        except Exception as exc:
-            if self._inflight and self._inflight[0] is oldest:
-                raise  # still pending and its transport fails: nothing can be posted behind it
-            # It completed wrongly (a receive of another size) or a completion step failed
-            # (e.g. a copy-back into a tensor given other memory meanwhile). Raised here, before
-            # this rank's next post, it would make this rank alone skip a collective the others
-            # post; it stays on that Work, whose wait() raises it.
-            what = ("its completion step failed" if oldest.callback_error is exc
-                    else "it completed with an error")
-            logger.warning("%s: %s (%s: %s); raised by its wait(), not by this call",
-                           oldest.description, what, type(exc).__name__, exc)
+        Each wire is (contiguous tensor, read, write); ``as_bytes`` False means ``call`` gives
+        its own datatype (device buffers are then staged in the tensor's dtype, not as bytes).
+        Host memory goes as zero-copy views; device memory through the adapter (CuPy views, or
+        pinned host copies whose results it copies back when the work completes). The work keeps
+        the tensors and storages alive until MPI is done.
+        """
+        comm = self.mpi_comm
+        bufs: list[object] = []
+        keep: list[object] = []
+        finishes: list[Callable[[], None]] = []
+        for tensor, read, write in wires:
+            if self._adapter is None:
+                buf: object = MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
+                keep += (tensor, tensor.untyped_storage(), buf)
+            else:
+                wire = flat_bytes(tensor) if as_bytes else tensor
+                buf, finish = self._adapter.prepare(wire, read=read, write=write)
+                keep += (wire, wire.untyped_storage(), buf)
+                finishes.append(finish)
+            bufs.append(buf)
+        work = MPIWork(description, self._timeout, tuple(keep), expect_bytes=expect_bytes)
+        for finish in finishes:
+            work.add_callback(finish)
+        self._progress.submit(work, lambda: call(comm, bufs))
+        return work
 
-    def _work(
-        self,
-        request: MPI.Request,
-        description: DescriptionLike,
-        keepalive: tuple[object, ...],
-    ) -> Work:
-        return MPIWork(request, description, self._timeout, keepalive, self._inflight)
+    def _widened(self, start: Callable[[torch.Tensor, ReduceOp, DescriptionLike], Work],
+                 tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
+        """``start`` on a float32 copy of the 16-bit ``tensor`` (from the scratch pool), the
+        result rounded back once: MPI has no fast 16-bit reduction."""
+        scratch = self._scratch.take(tensor.numel(), tensor.device)
+        wide = scratch[: tensor.numel()]
+        wide.copy_(tensor)
+        work = start(wide, op, description)
+
+        def round_back() -> None:
+            tensor.copy_(wide)
+            self._scratch.give(scratch)
+
+        work.add_callback(round_back)
+        return work
 
     def _datatype(self, dtype: torch.dtype) -> MPI.Datatype:
         found = self._datatypes.get(dtype)
         if found is None:
             found = self._datatypes[dtype] = predefined_datatype(dtype)
-            if dtype in SUM_FAST:
-                self._sum_datatypes[dtype] = found
         return found
 
-    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What a byte transfer (``MPI.BYTE``) of the contiguous ``tensor`` hands to
-        :meth:`_prepare`: on the host the tensor itself (its view spans its ``nbytes`` whatever
-        the dtype, and a uint8 view would cost a new tensor per call); with a device adapter its
-        uint8 view (:func:`flat_bytes`), which the adapter stages element by element."""
-        return tensor if self._adapter is None else flat_bytes(tensor)
 
-    def _prepare(
-        self, wire: torch.Tensor, *, read: bool = True, write: bool = True
-    ) -> tuple[object, Callable[[], None] | None]:
-        """Return a buffer MPI can use for the contiguous 1-D ``wire``, and what to run after.
-
-        CPU: a zero-copy view of its memory and no finishing step. CUDA: the device adapter's buffer
-        (a CuPy view, or a pinned host copy whose ``finish`` copies the result back); ``read``
-        False skips staging the current values in, ``write`` False skips copying results back.
-        """
-        # A CUDA communicator only ever sees CUDA tensors (_check_tensor), so "has an adapter"
-        # means "device tensor"; tests give a CPU communicator a fake adapter to run this path.
-        if self._adapter is None:
-            # A raw view of the tensor's memory (the Work keeps the tensor alive): cheaper per call
-            # than wire.numpy() (benchmarks/call_overhead.py).
-            return MPI_BUFFER.fromaddress(wire.data_ptr(), wire.nbytes), None
-        buf, finish = self._adapter.prepare(wire, read=read, write=write)
-        return buf, finish
+def _displacements(counts: list[int]) -> list[int]:
+    out, at = [], 0
+    for c in counts:
+        out.append(at)
+        at += c
+    return out

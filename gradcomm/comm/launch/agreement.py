@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._consistency import DebugLevel
-from ._env_flag import env_flag
-from ._mpi_abort import ABORT_ENV_VAR, install_abort_hook
-from .errors import BackendUnavailableError, CollectiveTimeoutError, brief
+from ..backends.mpi.abort import ABORT_ENV_VAR, install_abort_hook
+from ..consistency import DebugLevel
+from ..errors import BackendUnavailableError, CollectiveTimeoutError, brief
+from .env import env_flag
 from .launcher import launch_mismatch, started_by_mpi_launcher
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from ..communicator import Communicator
 
 __all__ = ["agree_on_debug", "agree_on_settings", "joins_agreement"]
 

@@ -1,14 +1,14 @@
 """Reductions the transports lack, built from those they have.
 
 * ``ReduceOp.AVG`` as SUM, then divide (:func:`average`), for backends whose
-  ``native_reduce_ops`` lack it.
-* ``ReduceOp.AVG`` of the collectives that write their result into another tensor
-  (``reduce_scatter``) or into one rank's (``reduce``) in the same way (:func:`average_into`).
+  ``native_reduce_ops`` lack it: all_reduce, reduce and reduce_scatter alike.
 * SUM and AVG of complex tensors as the same op on their real view (:func:`reduce_complex`), as
   torch.distributed does for backends without complex support. No transport here reduces complex
   numbers, and MIN, MAX and PRODUCT are not element-wise on that view.
 
 Each takes the transport's operation as a function, so one algorithm serves every backend.
+:func:`emulated` and :func:`complex_support` phrase what these emulations mean for
+:meth:`~gradcomm.comm.Communicator.supports`.
 """
 
 from __future__ import annotations
@@ -17,58 +17,41 @@ from collections.abc import Callable
 
 import torch
 
-from .types import ReduceOp, Support
+from .types import ReduceOp, Support, SupportLevel
 from .work import DescriptionLike, Work, writing_into
 
-__all__ = ["average", "average_into", "complex_support", "reduce_complex"]
+__all__ = ["average", "complex_support", "emulated", "reduce_complex"]
 
-#: A backend's all-reduce hook: ``(contiguous tensor, native op, description) -> Work``.
-AllReduceHook = Callable[[torch.Tensor, ReduceOp, DescriptionLike], Work]
 #: A communicator's public all_reduce: ``(tensor, op, *, async_op, label) -> Work``.
 AllReduce = Callable[..., Work]
 
 
 def average(
-    all_reduce: AllReduceHook, world_size: int, buf: torch.Tensor, description: DescriptionLike
-) -> Work:
-    """Start AVG of the contiguous ``buf`` as SUM then divide by ``world_size``.
-
-    16-bit floats are summed in float32 and rounded once at the end, so an average of in-range
-    values never overflows (fp16 40000 + 40000 would) and matches the float32 reference cast back
-    to the dtype.
-    """
-    if buf.dtype in (torch.float16, torch.bfloat16):
-        wide = buf.to(torch.float32)
-        work = all_reduce(wide, ReduceOp.SUM, description)
-        work.add_callback(lambda: buf.copy_(wide.div_(world_size)))
-    else:
-        work = all_reduce(buf, ReduceOp.SUM, description)
-        work.add_callback(lambda: buf.div_(world_size))
-    return work
-
-
-def average_into(
-    start: Callable[[torch.Tensor, torch.Tensor, ReduceOp], Work],
+    start: Callable[[torch.Tensor, torch.Tensor, ReduceOp, DescriptionLike], Work],
     world_size: int,
     output: torch.Tensor,
     input: torch.Tensor,
+    description: DescriptionLike,
 ) -> Work:
-    """Start AVG as ``start(output, input, ReduceOp.SUM)`` then divide ``output`` by ``world_size``.
+    """Start AVG as ``start(output, input, ReduceOp.SUM, description)``, then divide ``output``
+    by ``world_size``.
 
-    ``start`` is a reduction hook with its other arguments bound (the description, a root).
-    16-bit floats are summed in float32 copies and rounded once, as in :func:`average`. The
-    division runs on every rank; for ``reduce`` only the root's ``output`` holds a defined value.
+    ``start`` is a backend's reduction hook (all_reduce's and reduce's in place: ``input`` is
+    ``output``). 16-bit floats are summed in float32 copies and rounded once at the end, so an
+    average of in-range values never overflows (fp16 40000 + 40000 would) and matches the float32
+    reference cast back to the dtype. The division runs on every rank; for ``reduce`` only the
+    root's ``output`` holds a defined value.
     """
     if output.dtype in (torch.float16, torch.bfloat16):
-        if input is output:  # in place (reduce): one float32 copy is both
+        if input is output:  # in place: one float32 copy is both
             wide_out = wide_in = output.to(torch.float32)
         else:
             wide_out = torch.empty_like(output, dtype=torch.float32)
             wide_in = input.to(torch.float32)
-        work = start(wide_out, wide_in, ReduceOp.SUM)
+        work = start(wide_out, wide_in, ReduceOp.SUM, description)
         work.add_callback(lambda: output.copy_(wide_out.div_(world_size)))
     else:
-        work = start(output, input, ReduceOp.SUM)
+        work = start(output, input, ReduceOp.SUM, description)
         work.add_callback(lambda: output.div_(world_size))
     return work
 
@@ -114,3 +97,11 @@ def complex_support(
     why = f"{dtype} is reduced (SUM or AVG only) as its {real} real view (torch.view_as_real)"
     return Support(part.level, f"{why}; {part.reason}" if part.reason else why,
                    part.transfer_dtype)
+
+
+def emulated(base: Support, how: str) -> Support:
+    """``base`` downgraded to EMULATED_SLOW (if supported at all), with ``how`` in its reason."""
+    if not base.is_supported:
+        return base
+    reason = f"{how}; {base.reason}" if base.reason else how
+    return Support(SupportLevel.EMULATED_SLOW, reason, base.transfer_dtype)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .communicator import Communicator
-from .errors import BackendUnavailableError
+from ..communicator import Communicator
+from ..errors import BackendUnavailableError
 from .launcher import LaunchInfo
 
 __all__ = [
@@ -94,7 +94,7 @@ def _gloo_check() -> Exception | None:
 def _gloo_factory(
     launch: LaunchInfo, timeout: float | None, device: torch.device | None
 ) -> Communicator:
-    from .backends.gloo import GlooCommunicator
+    from ..backends.gloo import GlooCommunicator
 
     return GlooCommunicator(launch, timeout=timeout)  # check_backend refused other devices
 
@@ -106,13 +106,13 @@ def _mpi_check() -> Exception | None:
 def _mpi_factory(
     launch: LaunchInfo, timeout: float | None, device: torch.device | None
 ) -> Communicator:
-    from .backends.mpi.communicator import MPICommunicator
+    from ..backends.mpi.communicator import MPICommunicator
 
     return MPICommunicator(launch, timeout=timeout, device=device)
 
 
 def _nccl_check() -> Exception | None:
-    from .backends.nccl import nccl_unavailable
+    from ..backends.nccl import nccl_unavailable
 
     return nccl_unavailable()
 
@@ -120,13 +120,13 @@ def _nccl_check() -> Exception | None:
 def _nccl_factory(
     launch: LaunchInfo, timeout: float | None, device: torch.device | None
 ) -> Communicator:
-    from .backends.nccl import NCCLCommunicator
+    from ..backends.nccl import NCCLCommunicator
 
     return NCCLCommunicator(launch, timeout=timeout, device=device)
 
 
 def _cupy_nccl_check() -> Exception | None:
-    from .backends.cupy_nccl import cupy_nccl_unavailable
+    from ..backends.cupy_nccl import cupy_nccl_unavailable
 
     return cupy_nccl_unavailable()
 
@@ -134,7 +134,7 @@ def _cupy_nccl_check() -> Exception | None:
 def _cupy_nccl_factory(
     launch: LaunchInfo, timeout: float | None, device: torch.device | None
 ) -> Communicator:
-    from .backends.cupy_nccl import CupyNCCLCommunicator
+    from ..backends.cupy_nccl import CupyNCCLCommunicator
 
     return CupyNCCLCommunicator(launch, timeout=timeout, device=device)
 

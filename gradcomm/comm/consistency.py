@@ -36,7 +36,7 @@ from .errors import brief
 from .types import ReduceOp
 from .work import Description, DescriptionLike, Work
 
-__all__ = ["DebugLevel", "DebugSetting", "ConsistencyCheck", "debug_level_from_env"]
+__all__ = ["DebugLevel", "ConsistencyCheck", "debug_level_from_env"]
 
 
 class DebugLevel(enum.Enum):
@@ -251,33 +251,3 @@ class ConsistencyCheck:
         message = mismatch_message(rows)
         if message is not None:
             raise RuntimeError(message)
-
-
-class DebugSetting:
-    """The :attr:`debug` setting of a :class:`~gradcomm.comm.Communicator` (one of its bases)."""
-
-    _consistency: ConsistencyCheck
-    _world_size: int
-    _plain_checks: bool  # the backend adds no tensor checks of its own
-    _cached_checks: bool  # all_reduce may take its fast path, which skips _issue
-
-    @property
-    def debug(self) -> DebugLevel:
-        """What is compared across ranks before each collective: :attr:`DebugLevel.OFF`
-        (default) nothing, :attr:`DebugLevel.DETAIL` every collective.
-
-        Set it (a DebugLevel or ``"off"``/``"detail"``) alike on every rank, between collectives;
-        :func:`gradcomm.init` sets it from its ``debug`` argument or ``GRADCOMM_DEBUG``.
-
-        Raises:
-            TypeError: (setting) not a DebugLevel or str. ValueError: a string naming no level.
-        """
-        return self._consistency.level
-
-    @debug.setter
-    def debug(self, level: DebugLevel | str) -> None:
-        level = DebugLevel.coerce(level)
-        self._consistency.level = level
-        # all_reduce's fast path skips the check, so DETAIL turns it off
-        self._cached_checks = (self._world_size > 1 and self._plain_checks
-                               and level is DebugLevel.OFF)

@@ -33,20 +33,19 @@ from typing import Any
 
 import torch
 
-from .._cuda_packages import cupy_pip
-from .._env_flag import env_flag
-from ..errors import SlowPathWarning
+from ...errors import SlowPathWarning
+from ...launch.env import env_flag
+from ..cuda_packages import cupy_pip
 
 __all__ = [
     "CUDA_AWARE_ENV",
     "DeviceBufferAdapter",
-    "check_thread_level",
     "cuda_aware_mpi",
     "cupy_array",
     "wire_view",
 ]
 
-log = logging.getLogger("gradcomm.comm.mpi_device")
+log = logging.getLogger("gradcomm.comm.mpi.device")
 
 #: Environment variable that overrides the CUDA-awareness detection (``0`` or ``1``).
 CUDA_AWARE_ENV = "GRADCOMM_MPI_CUDA_AWARE"
@@ -182,28 +181,6 @@ def cupy_array(tensor: torch.Tensor) -> Any:
     # set: the tensor's own device, so rank r's buffers stay on GPU r.
     with cupy.cuda.Device(0 if index is None else index):
         return cupy.asarray(wire_view(tensor))
-
-
-def check_thread_level(mpi: Any) -> None:
-    """Raise RuntimeError when MPI was initialised below ``MPI_THREAD_SERIALIZED``.
-
-    With CUDA tensors, autograd runs the gradient hooks (which launch the bucket all-reduces) on
-    its device threads, not on the thread that called ``backward()``; MPI allows calls from
-    several threads, one at a time, only at ``MPI_THREAD_SERIALIZED`` or above. mpi4py asks for
-    ``MPI_THREAD_MULTIPLE`` unless ``mpi4py.rc.thread_level`` says otherwise.
-
-    Args:
-        mpi: the ``mpi4py.MPI`` module (initialised).
-    """
-    provided = mpi.Query_thread()
-    if provided >= mpi.THREAD_SERIALIZED:
-        return
-    names = {mpi.THREAD_SINGLE: "single", mpi.THREAD_FUNNELED: "funneled"}
-    raise RuntimeError(
-        f"MPI gives thread level {names.get(provided, provided)!r}, but CUDA gradient hooks call "
-        "MPI from autograd's threads: set mpi4py.rc.thread_level = 'multiple' (or 'serialized') "
-        "before importing mpi4py.MPI"
-    )
 
 
 _warn_lock = threading.Lock()

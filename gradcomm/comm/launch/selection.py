@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._agreement import agree_on_debug, agree_on_settings, joins_agreement
-from ._consistency import DebugLevel, debug_level_from_env
-from ._env_flag import env_flag
-from ._mpi_abort import ABORT_ENV_VAR
-from ._mpi_defaults import apply_mpich_defaults
-from .communicator import Communicator
+from ..backends.mpi.abort import ABORT_ENV_VAR
+from ..communicator import Communicator
+from ..consistency import DebugLevel, debug_level_from_env
+from .agreement import agree_on_debug, agree_on_settings, joins_agreement
+from .env import env_flag
 from .launcher import LaunchInfo, detect_launch
 from .registry import (
     available_backends,
@@ -179,8 +178,6 @@ def init(
             Process-wide settings are read from os.environ by what they configure:
             ``GRADCOMM_MPI_ABORT_ON_ERROR`` (a :data:`sys.excepthook`),
             ``GRADCOMM_MPI_CUDA_AWARE`` and the transports' own variables (``NCCL_*``, MPI's).
-            Before MPI starts, MPICH variables the environment lacks get gradcomm's defaults
-            (:mod:`gradcomm.comm._mpi_defaults`).
 
     Returns:
         A :class:`~gradcomm.comm.Communicator`; use it as a context manager or call ``close()``.
@@ -215,9 +212,7 @@ def init(
     process-local communicator) skips it. Elsewhere an error is raised on the rank that has it;
     torchrun ends such a job, a store rendezvous times out.
     """
-    from ..profiler import attach_from_env, profile_requested, trace_dir_from_env  # lazy
-
-    apply_mpich_defaults()  # before anything below imports mpi4py.MPI, which starts MPI
+    from ...profiler import attach_from_env, profile_requested, trace_dir_from_env  # lazy
 
     # Each rank checks its own settings; under an MPI launcher the ranks then agree, so that a
     # value that is bad on one rank only raises on all of them (not: raise here, hang there).

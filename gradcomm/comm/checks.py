@@ -1,9 +1,14 @@
-"""Argument checks of the collectives, run on every rank before any transport call.
+"""Argument checks of the collectives, run on every rank before any transport call, and the
+views of tensors' memory that transports use.
 
 Every rank runs the same checks on the same kind of arguments, so bad input raises the same error
 everywhere instead of leaving the other ranks waiting in a collective. :class:`TensorChecks`
 caches its verdict per (dtype, device), so the checks of a collective's tensor cost one dict
 lookup once its kind has been seen.
+
+A :class:`~gradcomm.comm.Communicator` hands its backend hooks contiguous tensors only: a tensor
+whose memory a transport cannot use directly goes as a contiguous copy (:func:`plain`) that is
+written back on completion.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ __all__ = [
     "check_reduce_scatter",
     "check_rank_arg",
     "check_splits",
+    "flat",
+    "flat_bytes",
+    "plain",
+    "overlap",
 ]
 
 #: The verdict on one (dtype, device): the error class to raise for it (None: none), the reason,
@@ -179,7 +188,7 @@ class TensorChecks:
             (dtype, device) whether reductions of it are possible.
     """
 
-    __slots__ = ("_backend", "_device", "_group", "_supports", "kinds", "plain")
+    __slots__ = ("_backend", "_device", "_group", "_supports", "kinds")
 
     def __init__(
         self,
@@ -192,13 +201,9 @@ class TensorChecks:
         self._device = device
         self._group = group
         self._supports = supports
-        #: The verdicts so far: a hit costs one dict lookup. ``tensor.device.type`` alone costs a
-        #: new str per read, which in a collective's common path is a visible share of its cost.
+        #: The verdicts so far: a hit costs one dict lookup (``tensor.device.type`` alone would
+        #: build a new str per read).
         self.kinds: dict[tuple[torch.dtype, torch.device], TensorKind] = {}
-        #: The description tails of the dtypes whose tensors on the communicator's own device
-        #: passed every check (reductions too): the short path's cache, read by dtype alone
-        #: (hashing a (dtype, device) key costs more than the rest of a lookup).
-        self.plain: dict[torch.dtype, str] = {}
 
     def check(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
         """Raise on a tensor the communicator cannot take; return its description tail.
@@ -243,6 +248,51 @@ class TensorChecks:
             if not support.is_supported:
                 error = TypeError
         kind = self.kinds[(dtype, device)] = (error, reason, tail)
-        if error is None and device == self._device and not dtype.is_complex:
-            self.plain[dtype] = tail  # real dtypes only: no conjugate bit to look for
         return kind
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor`` as 1-D (``(numel,)``, no copy): itself when already 1-D.
+
+    ``view(-1)`` makes a new tensor object, about a microsecond, which a collective on a small
+    or medium buffer pays on every call; a 1-D tensor needs none.
+    """
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory of a contiguous ``tensor`` as a 1-D uint8 view (no copy).
+
+    Shape ``(tensor.numel() * tensor.element_size(),)``. A one-element tensor counts as contiguous
+    whatever its stride (``torch.zeros(2)[::2]`` has stride 2), which ``Tensor.view(torch.uint8)``
+    rejects, so it is viewed with stride 1 first (the same single element).
+    """
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)  # each new tensor costs ~1 us
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
+
+
+def plain(tensor: torch.Tensor, written_by: str | None = None) -> torch.Tensor:
+    """``tensor`` itself when a transport can use its memory as it is; else a contiguous copy.
+
+    A copy is made for non-contiguous tensors and for the lazy negative and conjugate views
+    (``t.conj().imag``, ``torch.Tensor.conj()``), which keep their sign in a bit of the tensor,
+    not in memory: a transport reading raw memory would reduce the wrong values (MIN and MAX
+    swapped). Callers copy the result back into ``tensor``, which honours the bits.
+
+    Raises:
+        ValueError: from :func:`check_writable` when ``written_by``
+            (the collective's name) is given, i.e. the result will be written into ``tensor``.
+    """
+    if tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj():
+        return tensor
+    if written_by is not None:
+        check_writable(tensor, written_by)
+    return tensor.resolve_conj().resolve_neg().contiguous()
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors overlaps (by address, so also for separate
+    storages over one buffer, e.g. two ``torch.from_numpy`` views of one array)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes

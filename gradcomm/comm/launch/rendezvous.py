@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ._mpi_abort import abort_on_error_enabled, install_abort_hook
-from ._netaddr import interface_of, is_loopback, publish_candidates, resolve_ipv4
-from ._reachability import POLL_S, bind_address, check_reachable, first_answering
+from ..backends.mpi.abort import abort_on_error_enabled, install_abort_hook
 from .launcher import Launcher, LaunchInfo, check_launch_matches_mpi, started_by_mpi_launcher
+from .netaddr import interface_of, is_loopback, publish_candidates, resolve_ipv4
+from .reachability import POLL_S, bind_address, check_reachable, first_answering
 
 __all__ = ["Rendezvous", "create_store", "rendezvous"]
 

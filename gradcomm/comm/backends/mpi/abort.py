@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from types import TracebackType
 
-from ._env_flag import env_flag
+from ...launch.env import env_flag
 
 __all__ = ["ABORT_ENV_VAR", "abort_on_error_enabled", "install_abort_hook"]
 

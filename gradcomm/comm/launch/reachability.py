@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
-from ._netaddr import (
+from .netaddr import (
     interface_addresses,
     is_loopback,
     matches_ifname,

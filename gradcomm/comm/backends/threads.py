@@ -19,9 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from .._p2p import copy_into
-from .._split import SplitPlan
-from ..communicator import Communicator
+from ..communicator import Communicator, SplitPlan
 from ..types import ReduceOp, Support, SupportLevel
 from ..work import DescriptionLike, Work, writing_into
 
@@ -334,7 +332,8 @@ class ThreadCommunicator(Communicator):
             if got.dtype != tensor.dtype or got.numel() != tensor.numel():
                 raise RuntimeError(f"{description}: rank {src} sent {got.numel()} {got.dtype}, "
                                    f"the receive buffer holds {tensor.numel()} {tensor.dtype}")
-            copy_into(tensor, got)
+            with writing_into(tensor):
+                tensor.copy_(got.reshape(tensor.shape))
             return True
 
         return _MailWork(take, description, self._timeout)
