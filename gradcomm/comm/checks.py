@@ -32,6 +32,7 @@ __all__ = [
     "check_reduce_scatter",
     "check_rank_arg",
     "check_splits",
+    "displacements",
     "flat",
     "flat_bytes",
     "plain",
@@ -188,7 +189,7 @@ class TensorChecks:
             (dtype, device) whether reductions of it are possible.
     """
 
-    __slots__ = ("_backend", "_device", "_group", "_supports", "kinds")
+    __slots__ = ("_backend", "_cpu_kinds", "_device", "_group", "_supports", "kinds")
 
     def __init__(
         self,
@@ -201,9 +202,10 @@ class TensorChecks:
         self._device = device
         self._group = group
         self._supports = supports
-        #: The verdicts so far: a hit costs one dict lookup (``tensor.device.type`` alone would
-        #: build a new str per read).
+        #: The verdicts so far: a hit costs one dict lookup. CPU tensors' are keyed by dtype
+        #: alone (``tensor.device`` builds a new object per read).
         self.kinds: dict[tuple[torch.dtype, torch.device], TensorKind] = {}
+        self._cpu_kinds: dict[torch.dtype, TensorKind] = {}
 
     def check(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
         """Raise on a tensor the communicator cannot take; return its description tail.
@@ -219,7 +221,8 @@ class TensorChecks:
             raise TypeError(
                 f"{opname} expects a dense (strided) tensor, got layout {tensor.layout}"
             )
-        kind = self.kinds.get((tensor.dtype, tensor.device))
+        kind = (self._cpu_kinds.get(tensor.dtype) if tensor.is_cpu
+                else self.kinds.get((tensor.dtype, tensor.device)))
         if kind is None:
             kind = self.classify(tensor)
         error, reason, tail = kind
@@ -248,6 +251,8 @@ class TensorChecks:
             if not support.is_supported:
                 error = TypeError
         kind = self.kinds[(dtype, device)] = (error, reason, tail)
+        if device.type == "cpu":
+            self._cpu_kinds[dtype] = kind
         return kind
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -296,3 +301,12 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     storages over one buffer, e.g. two ``torch.from_numpy`` views of one array)."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+def displacements(counts: list[int]) -> list[int]:
+    """Offsets of consecutive pieces of ``counts`` elements: ``[0, c0, c0 + c1, ...]``."""
+    out, at = [], 0
+    for c in counts:
+        out.append(at)
+        at += c
+    return out

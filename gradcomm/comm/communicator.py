@@ -44,6 +44,7 @@ from .checks import (
     check_src,
     check_supports_args,
     check_writable,
+    displacements,
     flat,
     overlap,
     plain,
@@ -261,11 +262,6 @@ def _root_buffer(opname: str, buffer: object, other: torch.Tensor, world_size: i
         raise ValueError(f"{opname}: the root's buffer must hold world_size * numel = "
                          f"{world_size} * {other.numel()} elements, got {buffer.numel()}")
     return buffer
-
-
-def _displacements(counts: Sequence[int]) -> list[int]:
-    """Offsets of consecutive pieces of ``counts`` elements: ``[0, c0, c0 + c1, ...]``."""
-    return list(itertools.accumulate(counts, initial=0))[:-1]
 
 
 class Communicator(abc.ABC):
@@ -515,8 +511,7 @@ class Communicator(abc.ABC):
             ValueError: ``dst`` out of range or this rank, tag out of range, wrong device.
             RuntimeError: the communicator is closed.
         """
-        check_call_args(async_op)
-        self._check_open()
+        self._begin(async_op)
         return self._post_transfer(self._prepare_transfer(P2PKind.SEND, tensor, dst, tag),
                                    async_op)
 
@@ -538,8 +533,7 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed; from ``wait()``, a size mismatch on mpi
                 (see :meth:`send`).
         """
-        check_call_args(async_op)
-        self._check_open()
+        self._begin(async_op)
         return self._post_transfer(self._prepare_transfer(P2PKind.RECV, tensor, src, tag),
                                    async_op)
 
@@ -576,8 +570,7 @@ class Communicator(abc.ABC):
             ValueError: ``src`` out of range, wrong device, or elements sharing memory (expand()).
             RuntimeError: the communicator is closed.
         """
-        check_call_args(async_op)
-        self._check_open()
+        self._begin(async_op)
         tail = self._check_tensor(tensor, "broadcast", reduction=False)
         check_src(src, self._world_size)
         if self._world_size == 1 or tensor.numel() == 0:
@@ -646,8 +639,7 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         op = ReduceOp.coerce(op)
-        check_call_args(async_op, label)
-        self._check_open()
+        self._begin(async_op, label)
         try:
             tail = self._check_tensor(tensor, "all_reduce")
         except TypeError:
@@ -655,7 +647,8 @@ class Communicator(abc.ABC):
                 raise
             work = reduce_complex(self.all_reduce, tensor, op, label)
             return self._complete(work, async_op, tensor)
-        check_avg(tensor, op)
+        if op is ReduceOp.AVG:
+            check_avg(tensor, op)
         numel = tensor.numel()
         if self._world_size == 1 or numel == 0:
             check_writable(tensor, "all_reduce")
@@ -689,8 +682,7 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         op = ReduceOp.coerce(op)
-        check_call_args(async_op, label)
-        self._check_open()
+        self._begin(async_op, label)
         tail = self._check_tensor(tensor, "reduce")
         check_rank_arg("dst", dst, self._world_size)
         check_avg(tensor, op)
@@ -732,8 +724,7 @@ class Communicator(abc.ABC):
                 matching as above), wrong device, or ``output``'s elements share memory.
             RuntimeError: the communicator is closed.
         """
-        check_call_args(async_op)
-        self._check_open()
+        self._begin(async_op)
         tail = self._check_tensor(input, "all_gather", reduction=False)
         self._check_tensor(output, "all_gather", reduction=False)
         if output_split_sizes is not None:
@@ -829,8 +820,7 @@ class Communicator(abc.ABC):
                 of the wrong size or with elements sharing memory.
             RuntimeError: the communicator is closed.
         """
-        check_call_args(async_op)
-        self._check_open()
+        self._begin(async_op)
         tail = self._check_tensor(input, "gather", reduction=False)
         check_rank_arg("dst", dst, self._world_size)
         root = self._rank == dst
@@ -872,8 +862,7 @@ class Communicator(abc.ABC):
                 memory, or (on ``src`` only) ``input`` of the wrong size.
             RuntimeError: the communicator is closed.
         """
-        check_call_args(async_op)
-        self._check_open()
+        self._begin(async_op)
         tail = self._check_tensor(output, "scatter", reduction=False)
         check_rank_arg("src", src, self._world_size)
         check_writable(output, "scatter")
@@ -921,8 +910,7 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         op = ReduceOp.coerce(op)
-        check_call_args(async_op, label)
-        self._check_open()
+        self._begin(async_op, label)
         tail = self._check_tensor(input, "reduce_scatter")
         self._check_tensor(output, "reduce_scatter")
         check_reduce_scatter(output, input, self._world_size)
@@ -965,8 +953,7 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         w = self._world_size
-        check_call_args(async_op)
-        self._check_open()
+        self._begin(async_op)
         tail = self._check_tensor(input, "all_to_all", reduction=False)
         self._check_tensor(output, "all_to_all", reduction=False)
         check_same_dtype("all_to_all", output, input)
@@ -1032,6 +1019,16 @@ class Communicator(abc.ABC):
                 f"{self._world_size} local_rank={self._local_rank} device={self._device}>")
 
     # ================================================================== the one path
+    def _begin(self, async_op: object, label: object = None) -> None:
+        """The checks every operation starts with: ``async_op`` a bool and ``label`` a str or
+        None (:func:`check_call_args` raises), the communicator open and not stalled
+        (:meth:`_check_open` raises). Each condition is tested here and its check called only to
+        raise: every rank pays this on every call."""
+        if async_op.__class__ is not bool or not (label is None or label.__class__ is str):
+            check_call_args(async_op, label)
+        if self._closed or self._stalls.stalled is not None:
+            self._check_open()
+
     def _check_open(self) -> None:
         """RuntimeError when closed, or while a timed-out collective is still pending."""
         if self._closed:
@@ -1067,13 +1064,14 @@ class Communicator(abc.ABC):
                 (default ``buf``; gather's root-only output is not one).
         """
         consistency = self._consistency
-        if consistency.wants(opname):
+        if consistency.level is not DebugLevel.OFF and consistency.wants(opname):
             consistency.check(opname, description, buf if like is None else like)
         profiler = self.profiler
-        done = (None if profiler is None
-                else profiler.collective_started(opname, buf, label, async_op))
-        work = hook(*args, description)
-        if done is not None:
+        if profiler is None:
+            work = hook(*args, description)
+        else:
+            done = profiler.collective_started(opname, buf, label, async_op)
+            work = hook(*args, description)
             work.add_callback(done)
         if buf is not target and buf is not None and target is not None:
             dst, src = target, buf
@@ -1183,7 +1181,7 @@ class Communicator(abc.ABC):
         work = self._all_gather(gathered, padded, description)
 
         def unpad() -> None:
-            for r, (at, n) in enumerate(zip(_displacements(counts), counts, strict=True)):
+            for r, (at, n) in enumerate(zip(displacements(counts), counts, strict=True)):
                 output[at:at + n] = gathered[r * width:r * width + n]
 
         work.add_callback(unpad)

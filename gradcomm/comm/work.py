@@ -219,19 +219,12 @@ class Work(abc.ABC):
             RuntimeError: the transport failed (e.g. a peer closed its connection).
             Exception: whatever a callback added with :meth:`add_callback` raised.
         """
-        given: object = timeout  # annotated float, but callers pass anything
-        if given is not None and (isinstance(given, bool) or not isinstance(given, numbers.Real)):
-            raise TypeError(f"timeout must be a number of seconds or None, got "
-                            f"{type(timeout).__name__} {timeout!r}")
-        limit = self.timeout if timeout is None else float(timeout)
-        if limit is not None and not 0.0 <= limit < _INF:  # negative, NaN or +inf
-            if limit != _INF:
-                raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
-            limit = None  # wait forever
         if self._done:
+            self._check_timeout(timeout)
             if self._error is not None:
                 raise self._error
             return
+        limit = self.timeout if timeout is None else self._check_timeout(timeout)
         applied = self._limit(limit)
         try:
             self._wait(applied)
@@ -247,6 +240,25 @@ class Work(abc.ABC):
                 "died or stalled"
             ) from exc
         self._finish()
+
+    @staticmethod
+    def _check_timeout(timeout: object) -> float | None:
+        """``timeout`` as seconds (None: forever, as ``math.inf``).
+
+        Raises:
+            TypeError: not a real number (or a bool). ValueError: negative or NaN.
+        """
+        if timeout is None:
+            return None
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise TypeError(f"timeout must be a number of seconds or None, got "
+                            f"{type(timeout).__name__} {timeout!r}")
+        limit = float(timeout)
+        if not 0.0 <= limit < _INF:  # negative, NaN or +inf
+            if limit != _INF:
+                raise ValueError(f"timeout must be >= 0 seconds, got {limit}")
+            return None  # wait forever
+        return limit
 
     def is_completed(self) -> bool:
         """Return True when :meth:`wait` would return at once (never blocks).

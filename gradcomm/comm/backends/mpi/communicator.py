@@ -50,13 +50,14 @@ leaving the other ranks in a collective. Set ``GRADCOMM_MPI_ABORT_ON_ERROR=0`` t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from mpi4py import MPI
 
-from ...checks import flat_bytes
+from ...checks import displacements, flat_bytes
 from ...communicator import Communicator, SplitPlan
 from ...errors import BackendUnavailableError
 from ...launch.launcher import (
@@ -236,36 +237,39 @@ class MPICommunicator(Communicator):
         return base
 
     # ------------------------------------------------------------------ collectives
+    # Each hook makes the work and its MPI buffers (_work), then gives the work the call to post:
+    # a partial of the bound mpi4py method, which the progress thread calls with no Python frame
+    # of its own.
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:
         if tensor.dtype in HALF:
             if self._adapter is None and uses_user_op(op, self.world_size):
-                mop = half_op(tensor.dtype, op)  # MPI sees int16; the op adds 16-bit floats
-                return self._start(
-                    lambda c, b: c.Allreduce(MPI.IN_PLACE, [b[0], MPI.INT16_T], mop),
-                    description, (tensor.view(torch.int16), True, True), as_bytes=False)
+                # MPI sees int16; the user op adds 16-bit floats with torch
+                work, (buf,) = self._work(description, (tensor.view(torch.int16), True, True),
+                                          as_bytes=False)
+                return self._post(work, self.mpi_comm.Allreduce, MPI.IN_PLACE,
+                                  [buf, MPI.INT16_T], half_op(tensor.dtype, op))
             return self._widened(self._all_reduce, tensor, op, description)
-        datatype, mop = self._datatype(tensor.dtype), mpi_op(op, tensor.dtype)
-        return self._start(lambda c, b: c.Allreduce(MPI.IN_PLACE, [b[0], datatype], mop),
-                           description, (tensor, True, True), as_bytes=False)
+        work, (buf,) = self._work(description, (tensor, True, True), as_bytes=False)
+        return self._post(work, self.mpi_comm.Allreduce, MPI.IN_PLACE,
+                          [buf, self._datatype(tensor.dtype)], mpi_op(op, tensor.dtype))
 
     def _broadcast(self, tensor: torch.Tensor, src: int, description: DescriptionLike) -> Work:
-        return self._start(lambda c, b: c.Bcast([b[0], MPI.BYTE], root=src), description,
-                           (tensor, True, True))
+        work, (buf,) = self._work(description, (tensor, True, True))
+        return self._post(work, self.mpi_comm.Bcast, [buf, MPI.BYTE], src)
 
     def _all_gather(
         self, output: torch.Tensor, input: torch.Tensor, description: DescriptionLike
     ) -> Work:
-        return self._start(lambda c, b: c.Allgather([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
-                           description, (input, True, False), (output, False, True))
+        work, (send, recv) = self._work(description, (input, True, False), (output, False, True))
+        return self._post(work, self.mpi_comm.Allgather, [send, MPI.BYTE], [recv, MPI.BYTE])
 
     def _all_gather_v(self, output: torch.Tensor, input: torch.Tensor, counts: list[int],
                       description: DescriptionLike) -> Work:
         size = input.element_size()
-        recv = [c * size for c in counts]
-        disp = _displacements(recv)
-        return self._start(
-            lambda c, b: c.Allgatherv([b[0], MPI.BYTE], [b[1], (recv, disp), MPI.BYTE]),
-            description, (input, True, False), (output, False, True))
+        recv_bytes = [c * size for c in counts]
+        work, (send, recv) = self._work(description, (input, True, False), (output, False, True))
+        return self._post(work, self.mpi_comm.Allgatherv, [send, MPI.BYTE],
+                          [recv, (recv_bytes, displacements(recv_bytes)), MPI.BYTE])
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
                         description: DescriptionLike) -> Work:
@@ -274,24 +278,23 @@ class MPICommunicator(Communicator):
             work = self._reduce_scatter(wide_out, input.to(torch.float32), op, description)
             work.add_callback(lambda: output.copy_(wide_out))
             return work
-        datatype, mop, n = self._datatype(output.dtype), mpi_op(op, output.dtype), output.numel()
-        return self._start(
-            lambda c, b: c.Reduce_scatter_block([b[0], n, datatype], [b[1], n, datatype], mop),
-            description, (input, True, False), (output, False, True), as_bytes=False)
+        datatype, n = self._datatype(output.dtype), output.numel()
+        work, (send, recv) = self._work(description, (input, True, False), (output, False, True),
+                                        as_bytes=False)
+        return self._post(work, self.mpi_comm.Reduce_scatter_block, [send, n, datatype],
+                          [recv, n, datatype], mpi_op(op, output.dtype))
 
     def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
                     input_counts: list[int], description: DescriptionLike) -> Work:
         size = input.element_size()
-        send = [c * size for c in input_counts]
-        recv = [c * size for c in output_counts]
-        if len(set(send)) == 1 and send == recv:  # even splits: MPI's Alltoall
-            return self._start(lambda c, b: c.Alltoall([b[0], MPI.BYTE], [b[1], MPI.BYTE]),
-                               description, (input, True, False), (output, False, True))
-        sdisp, rdisp = _displacements(send), _displacements(recv)
-        return self._start(
-            lambda c, b: c.Alltoallv([b[0], (send, sdisp), MPI.BYTE],
-                                     [b[1], (recv, rdisp), MPI.BYTE]),
-            description, (input, True, False), (output, False, True))
+        send_bytes = [c * size for c in input_counts]
+        recv_bytes = [c * size for c in output_counts]
+        work, (send, recv) = self._work(description, (input, True, False), (output, False, True))
+        if len(set(send_bytes)) == 1 and send_bytes == recv_bytes:  # even splits: MPI_Alltoall
+            return self._post(work, self.mpi_comm.Alltoall, [send, MPI.BYTE], [recv, MPI.BYTE])
+        return self._post(work, self.mpi_comm.Alltoallv,
+                          [send, (send_bytes, displacements(send_bytes)), MPI.BYTE],
+                          [recv, (recv_bytes, displacements(recv_bytes)), MPI.BYTE])
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp,
                 description: DescriptionLike) -> Work:
@@ -299,43 +302,43 @@ class MPICommunicator(Communicator):
             return self._widened(lambda t, o, d: self._reduce(t, dst, o, d), tensor, op,
                                  description)
         datatype, mop = self._datatype(tensor.dtype), mpi_op(op, tensor.dtype)
-        if self.rank == dst:
-            return self._start(
-                lambda c, b: c.Reduce(MPI.IN_PLACE, [b[0], datatype], mop, root=dst),
-                description, (tensor, True, True), as_bytes=False)
-        return self._start(lambda c, b: c.Reduce([b[0], datatype], None, mop, root=dst),
-                           description, (tensor, True, False), as_bytes=False)
+        root = self.rank == dst
+        work, (buf,) = self._work(description, (tensor, True, root), as_bytes=False)
+        if root:
+            return self._post(work, self.mpi_comm.Reduce, MPI.IN_PLACE, [buf, datatype], mop,
+                              dst)
+        return self._post(work, self.mpi_comm.Reduce, [buf, datatype], None, mop, dst)
 
     def _gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int,
                 description: DescriptionLike) -> Work:
         if output is None:
-            return self._start(lambda c, b: c.Gather([b[0], MPI.BYTE], None, root=dst),
-                               description, (input, True, False))
-        return self._start(lambda c, b: c.Gather([b[0], MPI.BYTE], [b[1], MPI.BYTE], root=dst),
-                           description, (input, True, False), (output, False, True))
+            work, (send,) = self._work(description, (input, True, False))
+            return self._post(work, self.mpi_comm.Gather, [send, MPI.BYTE], None, dst)
+        work, (send, recv) = self._work(description, (input, True, False), (output, False, True))
+        return self._post(work, self.mpi_comm.Gather, [send, MPI.BYTE], [recv, MPI.BYTE], dst)
 
     def _scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int,
                  description: DescriptionLike) -> Work:
         if input is None:
-            return self._start(lambda c, b: c.Scatter(None, [b[0], MPI.BYTE], root=src),
-                               description, (output, False, True))
-        return self._start(
-            lambda c, b: c.Scatter([b[1], MPI.BYTE], [b[0], MPI.BYTE], root=src),
-            description, (output, False, True), (input, True, False))
+            work, (recv,) = self._work(description, (output, False, True))
+            return self._post(work, self.mpi_comm.Scatter, None, [recv, MPI.BYTE], src)
+        work, (recv, send) = self._work(description, (output, False, True), (input, True, False))
+        return self._post(work, self.mpi_comm.Scatter, [send, MPI.BYTE], [recv, MPI.BYTE], src)
 
     def _barrier(self, description: DescriptionLike) -> Work:
-        return self._start(lambda c, b: c.Barrier(), description)
+        work, _ = self._work(description)
+        return self._post(work, self.mpi_comm.Barrier)
 
     # ------------------------------------------------------------------ point-to-point
     # Posted non-blocking by the progress thread, which goes on with its queue: a transfer must
     # not wait in posting order for its match (see .progress).
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
-        return self._start(lambda c, b: c.Isend([b[0], MPI.BYTE], dst, tag), description,
-                           (tensor, True, False))
+        work, (buf,) = self._work(description, (tensor, True, False))
+        return self._post(work, self.mpi_comm.Isend, [buf, MPI.BYTE], dst, tag)
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
-        return self._start(lambda c, b: c.Irecv([b[0], MPI.BYTE], src, tag), description,
-                           (tensor, False, True), expect_bytes=tensor.nbytes)
+        work, (buf,) = self._work(description, (tensor, False, True), expect_bytes=tensor.nbytes)
+        return self._post(work, self.mpi_comm.Irecv, [buf, MPI.BYTE], src, tag)
 
     # ------------------------------------------------------------------ sub-communicators
     def _split_child(self, plan: SplitPlan) -> Communicator | None:
@@ -373,24 +376,22 @@ class MPICommunicator(Communicator):
         self._progress.stop(0.0 if stalled else _CLOSE_WAIT_S)
 
     # ------------------------------------------------------------------ the hand-over
-    def _start(self, call: Callable[[MPIModule.Intracomm, list[Any]], MPI.Request | None],
-               description: DescriptionLike, *wires: _Wire, as_bytes: bool = True,
-               expect_bytes: int | None = None) -> Work:
-        """Queue ``call(comm, buffers)`` on the progress thread, on MPI buffers of ``wires``.
+    def _work(self, description: DescriptionLike, *wires: _Wire, as_bytes: bool = True,
+              expect_bytes: int | None = None) -> tuple[MPIWork, list[Any]]:
+        """A work for one MPI call on the contiguous tensors of ``wires``, and their MPI buffers.
 
-        Each wire is (contiguous tensor, read, write); ``as_bytes`` False means ``call`` gives
-        its own datatype (device buffers are then staged in the tensor's dtype, not as bytes).
-        Host memory goes as zero-copy views; device memory through the adapter (CuPy views, or
-        pinned host copies whose results it copies back when the work completes). The work keeps
-        the tensors and storages alive until MPI is done.
+        Each wire is (tensor, MPI reads it, MPI writes it). Host memory goes as a zero-copy view
+        (``MPI.buffer.fromaddress``); device memory through the adapter (CuPy views, or pinned
+        host copies whose results it copies back when the work completes), as bytes unless
+        ``as_bytes`` is False (the call gives a datatype: staged in the tensor's dtype). The work
+        keeps the tensors and their storages alive until MPI is done.
         """
-        comm = self.mpi_comm
-        bufs: list[object] = []
+        bufs: list[Any] = []
         keep: list[object] = []
-        finishes: list[Callable[[], None]] = []
+        finishes = []
         for tensor, read, write in wires:
             if self._adapter is None:
-                buf: object = MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
+                buf = MPI_BUFFER.fromaddress(tensor.data_ptr(), tensor.nbytes)
                 keep += (tensor, tensor.untyped_storage(), buf)
             else:
                 wire = flat_bytes(tensor) if as_bytes else tensor
@@ -401,7 +402,13 @@ class MPICommunicator(Communicator):
         work = MPIWork(description, self._timeout, tuple(keep), expect_bytes=expect_bytes)
         for finish in finishes:
             work.add_callback(finish)
-        self._progress.submit(work, lambda: call(comm, bufs))
+        return work, bufs
+
+    def _post(self, work: MPIWork, method: Callable[..., MPI.Request | None],
+              *args: object) -> MPIWork:
+        """Have the progress thread run ``method(*args)`` for ``work`` (posted when the
+        communicator binds the work: :meth:`MPIWork.post_on`)."""
+        work.post_on(self._progress, functools.partial(method, *args))
         return work
 
     def _widened(self, start: Callable[[torch.Tensor, ReduceOp, DescriptionLike], Work],
@@ -426,10 +433,3 @@ class MPICommunicator(Communicator):
             found = self._datatypes[dtype] = predefined_datatype(dtype)
         return found
 
-
-def _displacements(counts: list[int]) -> list[int]:
-    out, at = [], 0
-    for c in counts:
-        out.append(at)
-        at += c
-    return out

@@ -26,6 +26,7 @@ import queue
 import threading
 from collections.abc import Callable
 
+import torch
 from mpi4py import MPI
 
 from ...work import DescriptionLike, Work
@@ -56,16 +57,37 @@ class MPIWork(Work):
             accepts a shorter one without an error).
     """
 
+    # Class-level defaults, set on an instance only when they differ: fewer stores per call.
+    _mpi_done = False
+    _failure: BaseException | None = None
+    #: A receive's buffer size in bytes (None: not a receive).
+    expect_bytes: int | None = None
+    #: The thread and call to post at bind (see post_on).
+    _post: tuple[ProgressThread, Call] | None = None
+
     def __init__(self, description: DescriptionLike, timeout: float | None,
                  keepalive: tuple[object, ...] = (), *, expect_bytes: int | None = None) -> None:
         super().__init__(description, timeout)
         # Held until the thread is done with the call; a waiter blocks on it (no polling).
         self._ready = _thread.allocate_lock()
         self._ready.acquire()
-        self._mpi_done = False
-        self._failure: BaseException | None = None
         self._keepalive: tuple[object, ...] | None = keepalive
-        self.expect_bytes = expect_bytes
+        if expect_bytes is not None:
+            self.expect_bytes = expect_bytes
+
+    def post_on(self, thread: ProgressThread, call: Call) -> None:
+        """Have ``thread`` run ``call`` for this work when the communicator binds it (the last
+        step before the caller waits or gets the work back): the thread then finds the caller
+        already waiting, with the interpreter free, instead of waiting for it. The communicator
+        binds every work it returns, in the order it made them."""
+        self._post = (thread, call)
+
+    def bind(self, target: torch.Tensor | None, on_timeout: Callable[[Work], None]) -> None:
+        super().bind(target, on_timeout)
+        post = self._post
+        if post is not None:
+            self._post = None
+            post[0].submit(self, post[1])
 
     def finished(self, failure: BaseException | None = None) -> None:
         """Called by the progress thread once MPI is done with the call (``failure``: why it
@@ -102,8 +124,8 @@ class ProgressThread:
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[MPIWork, Call] | None] = queue.SimpleQueue()
         self._transfers: list[tuple[MPI.Request, MPIWork]] = []
-        # Guards _wakeup: the request the thread waits on beside its transfers (None: not
-        # waiting in MPI, or already completed by submit).
+        # The request the thread waits on in MPI beside its transfers (None: not waiting there,
+        # or already completed); the lock makes one caller complete it.
         self._lock = threading.Lock()
         self._wakeup: MPI.Grequest | None = None
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -112,7 +134,8 @@ class ProgressThread:
     def submit(self, work: MPIWork, call: Call) -> None:
         """Queue ``call`` behind every call submitted before; ``work`` completes with it."""
         self._queue.put((work, call))
-        self._wake()
+        if self._wakeup is not None:  # the thread waits in MPI for transfers: wake it
+            self._wake()
 
     def stop(self, wait_s: float) -> bool:
         """End the thread after the calls queued so far; wait up to ``wait_s`` seconds for it.
@@ -141,12 +164,17 @@ class ProgressThread:
         """The next queued call (None: stop); while transfers are pending and nothing is queued,
         the thread waits in MPI for either."""
         while self._transfers:
-            with self._lock:  # the empty queue and the wakeup at once: submit sees one of them
-                try:
-                    return self._queue.get_nowait()
-                except queue.Empty:
-                    wakeup = self._wakeup = MPI.Grequest.Start()
-            self._wait_for_transfers(wakeup)
+            wakeup = MPI.Grequest.Start()
+            with self._lock:
+                self._wakeup = wakeup
+            # A submit that read _wakeup before it was set put its call in the queue before:
+            # seen here. One that reads it after completes it.
+            if self._queue.empty():
+                self._wait_for_transfers(wakeup)
+            else:
+                self._wake()
+                wakeup.Wait()  # frees it
+                return self._queue.get()
         return self._queue.get()
 
     def _run(self, work: MPIWork, call: Call) -> None:
