@@ -141,13 +141,15 @@ def main() -> None:
     import gradcomm
     from gradcomm.bench.results import run_metadata
 
+    if any(b < 4 or b % 4 for b in args.bytes) or not args.seconds > 0:
+        p.error("every --bytes must be a positive multiple of 4 (float32 data), --seconds > 0")
     world = MPI.COMM_WORLD
     n = world.Get_size()
     if n < 2:  # one process, or torchrun (whose ranks are MPI singletons)
         p.error("run under mpiexec with 2 or more ranks, e.g. "
                 "mpiexec -n 2 python benchmarks/call_overhead.py")
-    if any(b < 4 * n or b % 4 for b in args.bytes):
-        p.error(f"every --bytes must be a multiple of 4 and >= {4 * n}")
+    if any(b < 4 * n for b in args.bytes):
+        p.error(f"every --bytes must be >= {4 * n}: a float32 element per rank")
     ops = (("all_reduce",) if args.backend == "gloo"
            else OPS if "all" in args.op else tuple(args.op))
     comm = gradcomm.init(args.backend, timeout=60)

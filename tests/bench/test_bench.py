@@ -440,23 +440,25 @@ def test_step_time_in_place_min_mb_values(text: str, want: float | None) -> None
 def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -> None:
     out = tmp_path / "co.json"
     proc = run_mpi(REPO_ROOT / "benchmarks" / "call_overhead.py", 2,
-                   ["--backend", backend, "--bytes", "8", "--calls", "20", "--json", str(out)],
+                   ["--backend", backend, "--bytes", "8", "4096", "--seconds", "0.01",
+                    "--op", "all_reduce", "reduce_scatter", "--json", str(out)],
                    timeout=120, env={"PYTHONPATH": str(REPO_ROOT)})
     doc = json.loads(out.read_text())
     assert doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == backend
     check_provenance(doc["meta"], mpi_loaded=True)
-    comm_us, raw_us = doc["kinds"]["comm"]["median_us"], doc["kinds"]["raw"]["median_us"]
-    assert math.isclose(doc["overhead_us"], comm_us - raw_us)
+    ops = ["all_reduce"] if backend == "gloo" else ["all_reduce", "reduce_scatter"]
+    assert [(r["op"], r["bytes"]) for r in doc["overhead"]] == [
+        (op, n) for op in ops for n in (8, 4096)]
+    for r in doc["overhead"]:
+        assert r["calls"] >= 30 and r["comm_us"] > 0 and r["baseline_us"] > 0, r
+        assert math.isclose(r["diff_us"], r["comm_us"] - r["baseline_us"])
+        assert math.isclose(r["ratio"], r["comm_us"] / r["baseline_us"])
     shown = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"), str(out)],
                            capture_output=True, text=True, timeout=60, check=True).stdout
-    assert f"| comm | {comm_us:.1f} |" in shown
-    kinds = {"gloo": ("comm", "raw", "work"), "mpi": ("comm", "raw")}[backend]
-    lines = proc.stdout.splitlines()
-    for kind in kinds:
-        (row,) = [ln for ln in lines if ln.split()[:1] == [kind] and len(ln.split()) == 3]
-        median, q1 = map(float, row.split()[1:3])
-        assert 0 < q1 <= median, row
-    assert any(ln.strip().startswith("comm - raw:") for ln in lines), proc.stdout
+    first = doc["overhead"][0]
+    assert f"| all_reduce | 8 | {first['calls']} | {first['comm_us']:.1f} |" in shown
+    assert len([ln for ln in proc.stdout.splitlines() if ln.split()[:1] in (["all_reduce"],
+                ["reduce_scatter"])]) == len(doc["overhead"]), proc.stdout
 
 
 @pytest.mark.slow
@@ -514,9 +516,9 @@ def test_step_breakdown_refuses_one_process() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--calls", "10"], "mpiexec with 2 or more ranks"),  # one process: nothing to compare
+    (["--seconds", "1"], "mpiexec with 2 or more ranks"),  # one process: nothing to compare
     (["--bytes", "6"], "multiple of 4"),  # would send 4 B and call it 6
-    (["--calls", "1"], "--calls >= 10"),
+    (["--seconds", "0"], "--seconds > 0"),
 ])
 def test_call_overhead_rejects_what_it_cannot_measure(argv: list[str], says: str) -> None:
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "call_overhead.py"),
