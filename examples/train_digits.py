@@ -256,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         print(f"final held-out accuracy: {final:.4f}")
         hexdigest = digest.numpy().tobytes().hex()[:16]
-        if same:
+        if ws == 1:
+            print(f"parameters sha256 {hexdigest}... (one rank: nothing to compare)")
+        elif same:
             print(f"parameters identical on all {ws} ranks (sha256 {hexdigest}...)")
         else:
             bad = [r for r in range(ws) if not torch.equal(gathered[r], gathered[0])]

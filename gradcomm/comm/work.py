@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CollectiveTimeoutError, brief
+from .errors import MESSAGE_LIMIT, CollectiveTimeoutError, brief
 
 __all__ = ["Work", "CompletedWork", "Description", "DescriptionLike", "StallGuard",
            "writing_into"]
@@ -232,13 +232,12 @@ class Work(abc.ABC):
             if self._on_timeout is not None:
                 self._on_timeout(self)
             cut = "" if applied == limit else (
-                f" (the communicator's timeout; the wait asked for "
+                f" (the communicator's; the wait asked for "
                 f"{'no limit' if limit is None else f'{limit} s'})"
             )
+            rest = f" did not complete within {applied} s{cut}; a rank may have died or stalled"
             raise CollectiveTimeoutError(
-                f"{self.description} did not complete within {applied} s{cut}; a rank may have "
-                "died or stalled"
-            ) from exc
+                brief(self.description, MESSAGE_LIMIT - len(rest)) + rest) from exc
         self._finish()
 
     @staticmethod

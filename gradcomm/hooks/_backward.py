@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm.communicator import Communicator
-from ..comm.errors import CollectiveTimeoutError, brief
+from ..comm.errors import MESSAGE_LIMIT, CollectiveTimeoutError, brief
 from ..comm.work import Work
 from ._autograd import BackwardEnd, current_autograd_node, queue_engine_callback
 from ._buckets import Bucket
@@ -111,7 +111,7 @@ class CommHookSlot:
             comm, [f"GradientReducer comm_hook={qualified_name(self.fn)}"],
             problem="the comm hook differs across ranks",
             fix="register the same comm hook on every rank",
-            entry="the comm hook",
+            entry="register_comm_hook",
         )
         self.agreed = True
 
@@ -229,10 +229,9 @@ class BackwardPass:
                 self.hook.agree(self.comm)
             except CollectiveTimeoutError as exc:
                 self.mark_failed(f"checking the comm hook timed out: {exc}")
+                what = "checking that every rank uses the same comm hook: "
                 raise CollectiveTimeoutError(
-                    f"checking that every rank uses the same comm hook (at the first synchronised "
-                    f"backward pass): {exc}"
-                ) from exc
+                    what + brief(str(exc), MESSAGE_LIMIT - len(what))) from exc
         if not self.checked:
             self.guard.check()
         token = BackwardEnd(self)
@@ -355,7 +354,9 @@ class BackwardPass:
         except CollectiveTimeoutError as exc:
             self.mark_failed(f"reducing {label} timed out")
             self.abort(wait=False)
-            raise CollectiveTimeoutError(f"reducing {label}: {exc}") from exc
+            what = f"reducing {label}: "
+            raise CollectiveTimeoutError(
+                what + brief(str(exc), MESSAGE_LIMIT - len(what))) from exc
 
     def _reset(self) -> None:
         control = self.control

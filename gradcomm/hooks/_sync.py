@@ -62,8 +62,9 @@ def check_fingerprint(
         limit: the message's length at most, in characters.
 
     Raises:
-        ValueError: on every rank, when the entries differ; the message names the index of the
-            first difference and what rank 0 and the first rank that differs have there (only the
+        ValueError: on every rank, when the entries differ; the message names the first entry
+            that differs (by its own words, e.g. ``param 0.weight``) and what rank 0 and the first
+            rank that differs have there (only the
             words that differ, or ``'<no such entry>'`` where a rank has fewer entries).
     """
     if comm.world_size == 1:
@@ -129,8 +130,8 @@ def _mismatch_message(problem: str, fix: str, entry: str | None, first: int, tex
     tail = f" and {more} more rank(s)" if more else ""
 
     def build(ctx: str, x: str, y: str, advice: str) -> str:
-        return (f"{problem} at entry #{first} ({ctx}): rank 0{sizes[0]} has {x!r}; "
-                f"rank {other}{sizes[1]} has {y!r}{tail}{advice}")
+        return (f"{problem} at {ctx or f'entry {first + 1} of the list'}: rank 0{sizes[0]} has "
+                f"{x!r}; rank {other}{sizes[1]} has {y!r}{tail}{advice}")
 
     # What differs is kept whole where it fits; the entry's name is cut first, then the advice.
     for least in (len(context), min(len(context), 12)):

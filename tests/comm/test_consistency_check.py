@@ -135,6 +135,24 @@ def test_a_rank_that_never_comes_is_a_timeout_of_the_check() -> None:
                       "rank 0/2) did not complete within 1 s; a rank may have died or stalled")
 
 
+def test_gather_and_scatter_with_none_off_the_root_pass_the_check() -> None:
+    # docs/collectives.md's calls: the root-only buffer is None elsewhere; the check compares the
+    # tensor every rank passes (a new user once saw "first difference in dtype (rank 0: none;
+    # rank 1: float32)" on every rank).
+    def fn(comm: gradcomm.Communicator) -> tuple[list[float], list[float]]:
+        comm.debug = "detail"
+        root = comm.rank == 0
+        out = torch.empty(comm.world_size * 2) if root else None
+        comm.gather(out, torch.full((2,), float(comm.rank)), 0)
+        got = torch.empty(2)
+        comm.scatter(got, torch.arange(2.0 * comm.world_size) if root else None, 0)
+        return (out.tolist() if out is not None else []), got.tolist()
+
+    out = ThreadGroup(3, timeout=20).run(fn)
+    assert out[0][0] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+    assert [got for _, got in out] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
 def _init_with_debug_on_rank_1(rank: int, world_size: int) -> str:
     with pytest.raises(ValueError) as info:  # on every rank, or the run fails with its traceback
         gradcomm.init("gloo", timeout=30, debug="detail" if rank == 1 else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gradcomm.comm import Launcher, LaunchInfo, detect_launch
-from gradcomm.comm.launch.launcher import cpus_per_local_process
+from gradcomm.comm.launch.launcher import check_launch_matches_mpi, cpus_per_local_process
 
 # (id, environment, expected (rank, world_size, local_rank, local_world_size, launcher))
 CASES: list[tuple[str, dict[str, str], tuple[int, int, int, int, Launcher]]] = [
@@ -226,3 +226,27 @@ def test_rendezvous_address_comes_from_the_environment_given() -> None:
     # Only both together name a store; an MPI launcher then rendezvouses through MPI.
     half = detect_launch({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "node7"})
     assert (half.master_addr, half.master_port, half.agent_store) == (None, None, False)
+
+
+class _AloneInMPI:
+    """``MPI.COMM_WORLD`` of a process that MPI sees alone (a torchrun rank with mpi4py)."""
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+        return 0
+
+    def Get_size(self) -> int:  # noqa: N802
+        return 1
+
+    def allgather(self, value: object) -> list[object]:
+        raise AssertionError("no collective with one process")
+
+
+@pytest.mark.parametrize(("launcher", "hint"), [(Launcher.TORCHRUN, "torchrun started 2 ranks"),
+                                                (Launcher.SLURM, "slurm started 2 ranks")])
+def test_mpi_under_a_launcher_that_is_not_mpis_says_to_start_the_job_with_mpiexec(
+        launcher: Launcher, hint: str) -> None:
+    # GRADCOMM_BACKEND=mpi torchrun ... : each rank is an MPI job of one process.
+    with pytest.raises(RuntimeError) as info:
+        check_launch_matches_mpi(_AloneInMPI(), LaunchInfo(1, 2, 1, 2, launcher))
+    text = str(info.value)
+    assert hint in text and "mpiexec -n 2" in text and "disagree" not in text, text

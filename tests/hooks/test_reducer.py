@@ -1071,6 +1071,38 @@ def test_fingerprint_mismatch_raises_on_every_rank_naming_it() -> None:
         assert "1.weight" in str(err) and "(5, 4)" in str(err) and "rank 1" in str(err)
 
 
+def test_a_first_parameter_that_differs_is_named_not_numbered() -> None:
+    # The options' entries come first in the compared list: a new user read "entry #2" for the
+    # model's first parameter.
+    def fn(comm: ThreadCommunicator) -> Any:
+        GradientReducer(nn.Sequential(nn.Linear(3 + comm.rank, 4)), comm)
+
+    for err in run_ranks(2, fn):
+        assert isinstance(err, ValueError), err
+        assert str(err).startswith("the model differs across ranks at param 0.weight: rank 0 "
+                                   "has '(4, 3)"), err
+        assert "entry" not in str(err), err
+
+
+def test_a_bucket_timeout_message_stays_within_200_characters() -> None:
+    # The reducer's message quotes the collective's, which quotes its description: nested, it
+    # once reached about 255 characters.
+    def fn(comm: ThreadCommunicator) -> Any:
+        model = nn.Sequential(nn.Linear(3, 4))
+        reducer = GradientReducer(model, comm)
+        model(torch.ones(2, 3)).sum().backward()  # every rank: the hook is agreed on
+        if comm.rank == 1:
+            return None  # skips the second backward
+        with pytest.raises(gradcomm.CollectiveTimeoutError) as info:
+            model(torch.ones(2, 3)).sum().backward()
+        del reducer
+        return str(info.value)
+
+    out = ThreadGroup(2, timeout=1.0).run(fn)
+    assert out[0].startswith("reducing ") and "did not complete within 1.0 s" in out[0], out[0]
+    assert len(out[0]) <= 200, (len(out[0]), out[0])
+
+
 def test_a_parameter_layout_that_differs_across_ranks_raises_on_every_rank() -> None:
     # A shared bucket holds each gradient in its parameter's memory order: a channels_last conv
     # weight on one rank against a contiguous one on the other summed unrelated elements (the
@@ -1334,7 +1366,8 @@ def test_a_comm_hook_registered_on_some_ranks_only_raises_on_every_rank() -> Non
     assert not any(isinstance(r, Exception) for r in out), out
     for mismatch, grads in out:
         assert "comm hook differs across ranks" in mismatch, mismatch
-        assert "entry #0 (the comm hook)" in mismatch and "shape" not in mismatch, mismatch
+        assert "differs across ranks at register_comm_hook:" in mismatch, mismatch
+        assert "shape" not in mismatch and "entry" not in mismatch, mismatch
         assert "fp16_compress_hook" in mismatch and "allreduce_hook" in mismatch, mismatch
         assert torch.equal(grads, out[0][1])
 

@@ -265,8 +265,16 @@ def check_launch_matches_mpi(world: Any, launch: LaunchInfo) -> None:
     agree first (one blocking all-gather, as the collectives that follow are): a rank whose
     settings happen to match MPI's would otherwise go on into the next collective and wait
     forever for the rank that raised (e.g. ``rank=0, world_size=2`` passed on every rank).
+    Ranks that MPI sees alone (each a job of one process, as under torchrun) learn that MPI
+    needs an MPI launcher.
     """
     mine = (world.Get_rank(), world.Get_size(), launch.rank, launch.world_size)
+    if mine[1] == 1 and launch.world_size > 1 and not launch.launcher.is_mpi:
+        # e.g. torchrun's ranks: each process is an MPI job of its own, so MPI cannot connect them
+        raise RuntimeError(
+            f"MPI sees this process alone, but {launch.launcher.value} started "
+            f"{launch.world_size} ranks: start the job with mpiexec -n {launch.world_size} (srun: "
+            "--mpi=pmix) for MPI, or use the gloo backend under this launcher")
     views = [mine] if mine[1] == 1 else world.allgather(mine)
     mismatch = launch_mismatch(views, launch.launcher.value)
     if mismatch is not None:
