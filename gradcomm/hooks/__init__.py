@@ -8,8 +8,8 @@ optimizer state and gradients across ranks (ZeRO stages 1 and 2).
 """
 
 from ._apply import apply_gradient_allreduce
+from .choice import CommHook
 from .comm_hooks import (
-    CommHook,
     CommHookFn,
     GradBucket,
     allreduce_hook,

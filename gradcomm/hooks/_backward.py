@@ -4,8 +4,8 @@ One backward pass (an *epoch*) goes: the first gradient hook :meth:`BackwardPass
 (checks, and one end-of-backward callback queued on the autograd engine); each gradient marks its
 parameter ready, and when every parameter of the lowest-index bucket not yet launched is ready that
 bucket is launched through the comm hook -- strictly in index order, so every rank issues the same
-collectives in the same order (torch DDP's reducer does the same); in-flight collectives are polled
-from the hooks (MPI progresses only inside MPI calls). At the end of backward :meth:`finish`
+collectives in the same order (torch DDP's reducer does the same); in-flight collectives are
+polled from the hooks (a failed one is noticed early). At the end of backward :meth:`finish`
 launches the rest (no gradient on this rank counts as zeros), waits for every bucket in order and
 writes the averages back. Besides the buckets, every pass sends one small control tensor (see
 :mod:`._control`: presence flags, the failure signal and each rank's step state, checked by
@@ -17,6 +17,11 @@ that step raises too instead of pairing collectives of different steps.
 
 Nested backward passes (reentrant activation checkpointing) run their own autograd graph task; a
 callback that fires at the end of such an inner task defers itself to the end of the outer one.
+
+The autograd hooks that drive a pass are at the end of this module: a post-accumulate-grad hook
+per parameter (:func:`on_grad_ready`) counts the gradient (and stages a large one) and launches
+the buckets that became ready; the first one of a pass queues one end-of-backward callback
+(:class:`BackwardEnd`). They only forward to the pass, so that torch's hooks hold nothing else.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import operator
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,8 +40,8 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.communicator import Communicator
 from ..comm.errors import MESSAGE_LIMIT, CollectiveTimeoutError, brief
 from ..comm.work import Work
-from ._autograd import BackwardEnd, current_autograd_node, queue_engine_callback
-from ._buckets import Bucket
+from ._autograd import ForwardPreHook, current_autograd_node, queue_engine_callback
+from ._buckets import Bucket, dense_only
 from ._control import CONTROL_LABEL, ControlCarrier, ControlTensor
 from ._guard import ModelGuard
 from ._options import ReducerOptions, qualified_name
@@ -270,7 +276,7 @@ class BackwardPass:
             raise
 
     def poll(self) -> None:
-        """Drive progress of in-flight collectives (MPI progresses only inside MPI calls)."""
+        """Note which in-flight collectives completed, in order; a failed one raises here."""
         while self.polled < self.next:
             b = self.buckets[self.polled]
             try:
@@ -428,3 +434,138 @@ class BackwardPass:
             for b in self.buckets:
                 b.zero()
         self._reset()
+
+
+# ----------------------------------------------------------------------------- autograd hooks
+class BackwardEnd:
+    """The end-of-backward callback of one backward pass (weakly referenced by its pass)."""
+
+    __slots__ = ("__weakref__", "backward")
+
+    def __init__(self, backward: BackwardPass) -> None:
+        self.backward = backward
+
+    def __call__(self) -> None:
+        self.backward.on_backward_end(self)
+
+
+#: How a parameter's gradient hook finds its backward pass (see :func:`on_grad_ready`).
+PassRef = Callable[[], "BackwardPass | None"]
+
+
+class StrongRef:
+    """Called like a weak reference, but keeps the pass alive (see :func:`on_grad_ready`)."""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, target: BackwardPass) -> None:
+        self._target = target
+
+    def __call__(self) -> BackwardPass:
+        return self._target
+
+
+def before_accumulate(ref: PassRef, grad: torch.Tensor) -> None:
+    """Tensor hook (before accumulation) of a parameter-list reducer in view mode: send the rest
+    of a failed backward pass before autograd adds the new gradient into a view (see the
+    reducer's ``__init__``)."""
+    bw = ref()
+    if bw is not None and bw.epoch_active and bw.token() is None:
+        bw.discard_if_stale()
+
+
+def on_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of parameter ``pid``: mark it ready (staging a large gradient;
+    a small one is staged with its bucket, see ``SharedBucket.stage_batched``), launch ready
+    buckets.
+
+    ``ref()`` gives the backward pass: a weak reference when the reducer wraps a module (whose
+    forward hook keeps the reducer, and so its pass, alive), because torch does not show a
+    tensor's hooks to Python's garbage collector and a strong reference here would keep every
+    reducer and module dropped without ``remove()`` alive for good; a :class:`StrongRef` when it
+    was built from parameters (nothing else holds it). A function, not a method, so that the
+    lookup costs no extra Python call on this path (it runs once per parameter per backward).
+    """
+    bw = ref()
+    if bw is None or not bw.require_sync or bw.removed:
+        return
+    grad = param.grad
+    if grad is not None and grad.layout is not torch.strided:
+        raise dense_only(bw.names[pid], grad.layout)
+    # Runs once per parameter per backward: the checks of discard_if_stale and poll are
+    # inlined so that the common case calls nothing.
+    if bw.epoch_active and bw.token() is None:
+        bw.discard_if_stale()
+    if not bw.epoch_active:
+        bw.begin()
+    bidx, slot = bw.loc[pid]
+    bucket = bw.buckets[bidx]
+    if bw.ready[pid]:
+        if bucket.work is not None:
+            bw.abort()
+            raise RuntimeError(
+                f"the gradient of {brief(bw.names[pid], 50)} was accumulated again after "
+                f"{brief(bucket.label(), 40)} was sent; a parameter used inside and outside a "
+                "reentrant checkpoint does this (use checkpoint(..., use_reentrant=False))"
+            )
+        if bucket.eager[slot]:  # accumulated again before the bucket left: copy again
+            bucket.stage(slot)
+        return
+    bw.ready[pid] = True
+    if bucket.eager[slot]:  # a small gradient is staged with its bucket, at the send
+        bucket.stage(slot)
+    bucket.pending -= 1
+    if bw.overlap and bucket.pending == 0 and bidx == bw.next:
+        bw.launch_ready()
+    if bw.polled < bw.next:
+        bw.poll()
+
+
+
+def on_late_grad_ready(ref: PassRef, pid: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a small gradient in a bucket that only the end of backward
+    sends (see :func:`grad_hook_of`): once the pass has begun, only mark it ready -- that
+    bucket's send stages it (checking that it is dense), and no hook launches it, so nothing
+    counts its gradients. Otherwise (the pass's first gradient, or the first after a failed
+    pass) as :func:`on_grad_ready`. The same checks, in fewer steps: one per parameter."""
+    bw = ref()
+    if bw is None or not bw.require_sync or bw.removed:
+        return
+    if not bw.epoch_active or bw.token() is None:
+        on_grad_ready(ref, pid, param)
+        return
+    bw.ready[pid] = True
+    if bw.polled < bw.next:
+        bw.poll()
+
+
+def grad_hook_of(bw: BackwardPass, pid: int) -> Callable[[PassRef, int, torch.Tensor], None]:
+    """The gradient hook of parameter ``pid``: :func:`on_late_grad_ready` when its gradient is
+    small (staged by its bucket's send) and its bucket is sent only at the end of backward, so
+    that nothing needs to count it; else :func:`on_grad_ready`."""
+    bidx, slot = bw.loc[pid]
+    b = bw.buckets[bidx]
+    late = not b.in_place and not b.eager[slot] and (
+        not bw.overlap or bidx >= bw.hook_launch_limit)
+    return on_late_grad_ready if late else on_grad_ready
+
+
+def register_hooks(bw: BackwardPass, params: list[nn.Parameter], module: nn.Module | None,
+                   on_forward: Callable[[nn.Module], None], view: bool) -> list[RemovableHandle]:
+    """Register a reducer's hooks: :func:`grad_hook_of`'s on every parameter, and
+    :class:`~gradcomm.hooks._autograd.ForwardPreHook` (calling ``on_forward``) on its module
+    (without one, in view mode, :func:`before_accumulate` on every parameter); returns their
+    handles."""
+    ref: PassRef = StrongRef(bw) if module is None else weakref.ref(bw)
+    handles = [p.register_post_accumulate_grad_hook(partial(grad_hook_of(bw, i), ref, i))
+               for i, p in enumerate(params)]
+    if module is not None:
+        handles.append(module.register_forward_pre_hook(ForwardPreHook(on_forward)))
+    elif view:
+        # Without a module there is no forward hook to notice a failed backward before the
+        # next one; in view mode autograd would then add the first new gradient into its view
+        # before the reducer's hook sends the failed pass's rest and zeroes the views (with
+        # zero_grad(set_to_none=False) the gradients are the views). A hook that runs before
+        # accumulation notices it first.
+        handles += [p.register_hook(partial(before_accumulate, ref)) for p in params]
+    return handles

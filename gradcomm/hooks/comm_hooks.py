@@ -7,7 +7,8 @@ must hold the element-wise **sum** over ranks; the :class:`~gradcomm.hooks.Gradi
 averaging itself (pre-divide before the hook, post-divide after the wait), so hooks never divide.
 ``state`` is whatever was given to ``register_comm_hook`` (default: the reducer's communicator).
 
-Built-in hooks, selectable by :class:`CommHook` member, by its name, or as the functions below:
+Built-in hooks, selectable by :class:`~gradcomm.hooks.CommHook` member, by its name
+(:mod:`.choice`), or as the functions below:
 
 ==================  =====================================================================
 ``allreduce``        :func:`allreduce_hook`: one all-reduce (SUM) of the bucket as it is.
@@ -15,7 +16,7 @@ Built-in hooks, selectable by :class:`CommHook` member, by its name, or as the f
 ``bf16_compress``    :func:`bf16_compress_hook`: cast to bfloat16, all-reduce, cast back.
 ``powersgd``         :func:`~gradcomm.hooks.powersgd.powersgd_hook`: low-rank compression
                      (PowerSGD); by name it gets a :class:`~gradcomm.hooks.PowerSGDState` of
-                     default options (see :func:`default_hook_state`).
+                     default options (see :func:`~gradcomm.hooks.choice.default_hook_state`).
 ==================  =====================================================================
 
 Accumulation dtype of the compression hooks: the sum is computed by the transport in the wire dtype
@@ -36,7 +37,6 @@ has the gradient itself as its buffer (see :attr:`GradBucket.flat`).
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import warnings
@@ -55,15 +55,12 @@ from ..comm.work import Work
 __all__ = [
     "GradBucket",
     "CommHookFn",
-    "CommHook",
     "allreduce_hook",
     "fp16_compress_hook",
     "bf16_compress_hook",
     "compress_wrapper",
     "fp16_compress_wrapper",
     "bf16_compress_wrapper",
-    "resolve_comm_hook",
-    "default_hook_state",
     "warn_if_slow",
 ]
 
@@ -245,71 +242,3 @@ bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_h
 bf16_compress_hook.__doc__ = (
     "Cast the bucket to bfloat16, all-reduce (SUM, accumulated in bfloat16 on gloo), cast back."
 )
-
-
-class CommHook(enum.Enum):
-    """The built-in comm hooks, selectable by member or by (case-insensitive) name."""
-
-    ALLREDUCE = "allreduce"
-    FP16_COMPRESS = "fp16_compress"
-    BF16_COMPRESS = "bf16_compress"
-    POWERSGD = "powersgd"
-
-    @property
-    def hook(self) -> CommHookFn:
-        """The hook function of this member."""
-        if self is CommHook.POWERSGD:
-            from .powersgd import powersgd_hook  # it builds on this module
-
-            return powersgd_hook
-        return _BUILTIN[self]
-
-    @classmethod
-    def coerce(cls, value: CommHook | str) -> CommHook:
-        """Return ``value`` as a member; accepts the member or its name.
-
-        Raises:
-            ValueError: unknown name (the message lists the known ones).
-            TypeError: neither a :class:`CommHook` nor a string.
-        """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower().replace("-", "_"))
-            except ValueError:
-                known = ", ".join(m.value for m in cls)
-                raise ValueError(f"unknown comm hook {value!r}; known: {known}") from None
-        raise TypeError(
-            f"comm hook must be a CommHook, str or callable, got {type(value).__name__}"
-        )
-
-
-_BUILTIN: dict[CommHook, CommHookFn] = {
-    CommHook.ALLREDUCE: allreduce_hook,
-    CommHook.FP16_COMPRESS: fp16_compress_hook,
-    CommHook.BF16_COMPRESS: bf16_compress_hook,
-}
-
-
-def default_hook_state(hook: CommHookFn, comm: Communicator) -> Any:
-    """The state ``hook`` gets when none is given: for the PowerSGD hook a new
-    :class:`~gradcomm.hooks.PowerSGDState` of ``comm`` with default options (it keeps per-reducer
-    memory), else ``comm``."""
-    from .powersgd import PowerSGDState, powersgd_hook
-
-    return PowerSGDState(comm) if hook is powersgd_hook else comm
-
-
-def resolve_comm_hook(hook: CommHook | str | CommHookFn) -> CommHookFn:
-    """Turn a :class:`CommHook`, its name, or a callable into a hook function (once, at the edge).
-
-    Raises:
-        ValueError: unknown name. TypeError: not a CommHook, string or callable.
-    """
-    if isinstance(hook, (CommHook, str)):
-        return CommHook.coerce(hook).hook
-    if callable(hook):
-        return hook
-    raise TypeError(f"comm hook must be a CommHook, str or callable, got {type(hook).__name__}")
-

@@ -57,8 +57,8 @@ from torch.utils.hooks import RemovableHandle
 from ..comm.communicator import Communicator
 from ..comm.errors import MESSAGE_LIMIT, brief
 from ..comm.hierarchical import HierarchicalAllReduce
-from ._autograd import refuse_recorded_graphs, register_hooks, remove_handles
-from ._backward import BackwardPass, CommHookSlot
+from ._autograd import refuse_recorded_graphs, remove_handles
+from ._backward import BackwardPass, CommHookSlot, register_hooks
 from ._bucket_plan import BucketInfo, assign_buckets, bucket_strides
 from ._buckets import Bucket, InPlaceBucket, SharedBucket
 from ._guard import (
@@ -78,14 +78,8 @@ from ._options import (
 )
 from ._shard_grads import ShardedGrad
 from ._sync import broadcast_tensors, check_fingerprint
-from .comm_hooks import (
-    CommHook,
-    CommHookFn,
-    allreduce_hook,
-    default_hook_state,
-    hierarchical_hook,
-    resolve_comm_hook,
-)
+from .choice import CommHook, default_hook_state, resolve_comm_hook
+from .comm_hooks import CommHookFn, allreduce_hook, hierarchical_hook
 
 __all__ = [
     "GradientReducer",
@@ -318,7 +312,8 @@ class GradientReducer:
                  else default_hook_state(hook_fn, comm))
         self._comm_hook = CommHookSlot(hook_fn, state)
         self._backward = BackwardPass(comm, self._buckets, self._guard, self._comm_hook, opts)
-        self._handles = register_hooks(self, opts.gradient_as_bucket_view)
+        self._handles = register_hooks(self._backward, self._params, self._module,
+                                       self._on_forward, opts.gradient_as_bucket_view)
         logger.debug("GradientReducer: %d params in %d buckets on %s", len(self._params),
                      len(self._buckets), comm)
 

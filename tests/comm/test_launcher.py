@@ -231,10 +231,10 @@ def test_rendezvous_address_comes_from_the_environment_given() -> None:
 class _AloneInMPI:
     """``MPI.COMM_WORLD`` of a process that MPI sees alone (a torchrun rank with mpi4py)."""
 
-    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+    def Get_rank(self) -> int:
         return 0
 
-    def Get_size(self) -> int:  # noqa: N802
+    def Get_size(self) -> int:
         return 1
 
     def allgather(self, value: object) -> list[object]:

@@ -25,7 +25,7 @@ from gradcomm.hooks import (
     allreduce_hook,
     compress_wrapper,
 )
-from gradcomm.hooks.comm_hooks import resolve_comm_hook
+from gradcomm.hooks.choice import resolve_comm_hook
 
 
 def _run(world_size: int, fn: Any) -> list[Any]:
