@@ -258,8 +258,7 @@ class TensorChecks:
 def flat(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous ``tensor`` as 1-D (``(numel,)``, no copy): itself when already 1-D.
 
-    ``view(-1)`` makes a new tensor object, about a microsecond, which a collective on a small
-    or medium buffer pays on every call; a 1-D tensor needs none.
+    ``view(-1)`` makes a new tensor object, which every call would pay; a 1-D tensor needs none.
     """
     return tensor if tensor.dim() == 1 else tensor.view(-1)
 
@@ -271,7 +270,7 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     whatever its stride (``torch.zeros(2)[::2]`` has stride 2), which ``Tensor.view(torch.uint8)``
     rejects, so it is viewed with stride 1 first (the same single element).
     """
-    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)  # each new tensor costs ~1 us
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:
         flat = flat.as_strided((1,), (1,))
     return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)

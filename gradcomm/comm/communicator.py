@@ -17,9 +17,11 @@ communicator base class. A new collective is a public method here and one hook p
 from __future__ import annotations
 
 import abc
+import collections
 import enum
 import hashlib
 import itertools
+import logging
 import math
 import os
 import pickle
@@ -73,6 +75,8 @@ __all__ = [
     "TAG_LIMIT",
     "host_key",
 ]
+
+logger = logging.getLogger("gradcomm.comm")
 
 #: Tags are ints in ``[0, TAG_LIMIT)``: MPI guarantees ``MPI_TAG_UB >= 32767``.
 TAG_LIMIT = 1 << 15
@@ -316,6 +320,8 @@ class Communicator(abc.ABC):
         self._checks = TensorChecks(self.backend, self._device, f"rank {rank}/{world_size}",
                                     self._supports)
         self._stalls = StallGuard(self.backend)
+        # Works returned pending that nobody has seen complete yet, oldest first (see _issue).
+        self._unobserved: collections.deque[Work] = collections.deque()
         self._consistency = ConsistencyCheck(self._all_gather, self._complete, world_size,
                                              self._device)
         #: Optional :class:`CollectiveObserver` told of every collective (None: off).
@@ -1063,6 +1069,8 @@ class Communicator(abc.ABC):
             like: a tensor every rank passes, whose dtype and device the cross-rank check uses
                 (default ``buf``; gather's root-only output is not one).
         """
+        if self._unobserved:
+            self._finish_unobserved()
         consistency = self._consistency
         if consistency.level is not DebugLevel.OFF and consistency.wants(opname):
             consistency.check(opname, description, buf if like is None else like)
@@ -1083,7 +1091,28 @@ class Communicator(abc.ABC):
         work.bind(target, self._stalls.note)
         if not async_op:
             work.wait()
+        elif not work.is_completed():
+            self._unobserved.append(work)
         return work
+
+    def _finish_unobserved(self) -> None:
+        """Finish the pending works returned earlier that have completed, oldest first: their
+        completion steps (a copy-back into a non-contiguous tensor, the division of an emulated
+        AVG) run even when the caller dropped the :class:`Work`, at the latest at the next
+        operation. An error there is logged, and kept for that work's ``wait()``: raised here,
+        it would make this rank alone skip the operation the others start."""
+        pending = self._unobserved
+        while pending:
+            work = pending[0]
+            try:
+                if not work.is_completed():
+                    return
+            except Exception as exc:  # noqa: BLE001 - kept on the work; see the docstring
+                what = ("its completion step failed" if work.callback_error is exc
+                        else "it failed")
+                logger.warning("%s: %s (%s: %s); raised by its wait(), not by this call",
+                               work.description, what, type(exc).__name__, exc)
+            pending.popleft()
 
     def _prepare_transfer(self, kind: P2PKind, tensor: torch.Tensor, peer: int,
                           tag: int) -> Transfer:

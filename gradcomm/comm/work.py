@@ -32,12 +32,12 @@ class Description:
     ``str(d)`` is e.g. ``"all_reduce #3 SUM bucket 0 of 1024 torch.float32 on cpu (mpi, rank
     0/2)"``: the operation, this communicator's sequence number, ``extra`` (a
     :class:`~gradcomm.ReduceOp` is shown by name), ``label``, the element count and ``tail`` (dtype,
-    device and group, from the communicator's cache). Formatting is cheap when warm but not between
-    two large collectives, whose traffic leaves the caches cold (benchmarks/call_overhead.py), and
-    the text is almost never read, so collectives keep the parts and :class:`Work` formats them
-    on demand. The parts are also what :mod:`~gradcomm.comm.consistency` compares across ranks:
-    a collective with a root or split sizes passes them as ``root`` and ``splits`` (shown in the
-    text through ``extra``, e.g. ``"src=0"``).
+    device and group, from the communicator's cache). The text is almost never read, so
+    collectives keep the parts and :class:`Work` formats them on demand (see docs/performance.md
+    on the cost of each step of a call). The parts are also what
+    :mod:`~gradcomm.comm.consistency` compares across ranks: a collective with a root or split
+    sizes passes them as ``root`` and ``splits`` (shown in the text through ``extra``, e.g.
+    ``"src=0"``).
     """
 
     __slots__ = ("_extra", "_label", "_numel", "_opname", "_seq", "_tail", "_text", "root",
@@ -185,7 +185,7 @@ class Work(abc.ABC):
         :func:`torch.no_grad` (:func:`torch.inference_mode` when the collective's tensor is an
         inference tensor), so it may update tensors in place that autograd would refuse. On a
         work that has already completed -- one that issued no collective (world_size 1, an
-        empty tensor), or one an MPI communicator finished while finishing a later collective --
+        empty tensor), or one its communicator finished at a later operation --
         ``fn`` runs at once, as a callback added to a completed ``torch.futures.Future`` does.
         Either way, an error ``fn`` raises is not raised here: the callbacks after it still run,
         and :meth:`wait` raises the first error any callback raised (every time it is called).

@@ -48,16 +48,6 @@ def test_collectives_every_op_and_dtype(comm_runner: ranks.RankRunner, n: int) -
 
 @pytest.mark.slow
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3])
-def test_all_reduce_shortcut_and_every_fallback_give_the_general_paths_values(n: int) -> None:
-    out = run_mpi(SCRIPTS / "mpi_backend_shortcut.py", n, timeout=60).stdout
-    assert sorted(_results(out, "shortcut")) == sorted(
-        f"RESULT shortcut ok rank={r} checks=26" for r in range(n)
-    ), out
-
-
-@pytest.mark.slow
-@pytest.mark.mpi
 @pytest.mark.parametrize("case", ["same", "size"])
 def test_launch_settings_that_disagree_with_mpi_raise_on_every_rank(case: str) -> None:
     # "same": every rank passed rank=0; rank 0's values matched MPI's, so it used to wait forever
@@ -211,7 +201,7 @@ def test_missing_mpi4py_names_pip_install() -> None:
         "except ImportError as exc:\n"
         "    print('INIT', exc)\n"
         "try:\n"
-        "    import gradcomm.comm.backends.mpi\n"
+        "    import gradcomm.comm.backends.mpi.communicator\n"
         "except ImportError as exc:\n"
         "    print('MODULE', exc)\n"
     )

@@ -10,8 +10,8 @@ collective is pending, a new one must raise RuntimeError at once; once it comple
 ``wait()``), the communicator must work again, on both ranks.
 
 Case ``swapped``: rank 1 joins 0.5 s late; rank 0 replaces the memory of each tensor it handed to
-a pending collective (``t.data = ...`` or ``t.set_(...)``; all_reduce on the shortcut and on the
-general path, 1-D and 2-D, broadcast, all_gather). MPI still writes into the old memory, so the
+a pending collective (``t.data = ...`` or ``t.set_(...)``; all_reduce 1-D and 2-D, broadcast,
+all_gather). MPI still writes into the old memory, so the
 collective must keep that memory alive (not just the tensor object, whose memory was replaced);
 otherwise the process crashes or corrupts tensors allocated since. The tensor's new memory
 (same shape) stays untouched on these contiguous paths; a dropped work whose copy-back fails
@@ -91,7 +91,7 @@ def short_wait(comm: gradcomm.Communicator) -> None:
 
 def swapped(comm: gradcomm.Communicator) -> None:
     r, n = comm.rank, comm.world_size
-    comm.all_reduce(torch.ones(2))  # classifies float32: later calls may take the shortcut
+    comm.all_reduce(torch.ones(2))
     size = 1 << 18  # 1 MiB of float32: freed memory goes back to the allocator's pool
     cases: list[tuple[str, Callable[[torch.Tensor], Work]]] = [
         ("all_reduce 1-D", lambda t: comm.all_reduce(t, async_op=True)),
@@ -143,7 +143,7 @@ def swapped(comm: gradcomm.Communicator) -> None:
         def emit(self, record: logging.LogRecord) -> None:
             warned.append(record.getMessage())
 
-    logging.getLogger("gradcomm.comm.mpi").addHandler(Keep(logging.WARNING))
+    logging.getLogger("gradcomm.comm").addHandler(Keep(logging.WARNING))
     if r == 1:
         time.sleep(0.5)
     strided = torch.ones(8, 4)[:, ::2]

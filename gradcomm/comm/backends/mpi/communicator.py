@@ -55,7 +55,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from mpi4py import MPI
+
+try:
+    from mpi4py import MPI
+except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "the mpi backend needs the mpi4py package and an MPI library: pip install mpi4py mpich"
+    ) from _exc
 
 from ...checks import displacements, flat_bytes
 from ...communicator import Communicator, SplitPlan

@@ -1,10 +1,11 @@
 """The progress thread of an MPI communicator, and the handles of the calls it runs.
 
-Each :class:`~gradcomm.comm.backends.mpi.MPICommunicator` runs its MPI calls on one thread of its
-own, in posting order, as torch's ``ProcessGroupMPI`` does with its work queue: a collective is
-MPI's *blocking* call (``MPI_Allreduce``, ``MPI_Reduce_scatter_block``, ...), so it takes the
-algorithms MPI tuned for blocking use (MPICH's non-blocking ones measured 30 % to 4x slower), and
-it advances while the caller computes, since a thread sits in MPI for it. The caller is never
+Each :class:`~gradcomm.comm.backends.mpi.communicator.MPICommunicator` runs its MPI calls on one
+thread of its own, in posting order, as torch's ``ProcessGroupMPI`` does with its work queue: a
+collective is MPI's *blocking* call (``MPI_Allreduce``, ``MPI_Reduce_scatter_block``, ...), so it
+takes the algorithms MPI tuned for blocking use (MPICH's non-blocking ones can be much slower:
+see docs/performance.md), and it advances while the caller computes, since a thread sits in MPI
+for it. The caller is never
 in MPI for a collective: :meth:`MPIWork.wait` waits on a lock the thread releases, so the wait
 keeps its timeout, answers Ctrl-C, and burns no CPU.
 
