@@ -139,6 +139,24 @@ def sweep_tables(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _overhead_targets(backend: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 3: overhead vs the raw transport <= 5 % at >= 1 MiB and <= 30 us at 8 B."""
+    out = []
+    big = [r for r in rows if r["size"] >= 2**20 and r["overhead_ratio"] is not None]
+    if big:
+        worst = max(big, key=lambda r: r["overhead_ratio"])
+        holds = all(r["overhead_ratio"] <= 1.05 for r in big)
+        out.append(f"- {backend}, sizes >= 1 MiB: overhead ratio <= 1.05 "
+                   f"{'holds' if holds else 'missed'} (worst {worst['overhead_ratio']:.3f} at "
+                   f"{worst['size']} B)")
+    small = [r for r in rows if r["size"] == 8 and r["overhead_us"] is not None]
+    if small:
+        us = small[0]["overhead_us"]
+        out.append(f"- {backend}, 8 B: overhead <= 30 us {'holds' if us <= 30 else 'missed'} "
+                   f"({us:.1f} us)")
+    return [*out, ""] if out else []
+
+
 def call_overhead_table(doc: dict[str, Any]) -> list[str]:
     """Markdown for a benchmarks/call_overhead.py result (one row per collective and size), with
     issue 33's targets on mpi: at most 1.05x the blocking call at 4-16 MiB, 1.10x at 1 MiB,

@@ -1089,10 +1089,10 @@ class Communicator(abc.ABC):
     def _complete(self, work: Work, async_op: bool, target: torch.Tensor | None) -> Work:
         """Bind ``work`` to ``target`` and the stall guard (see Work.bind); wait unless async."""
         work.bind(target, self._stalls.note)
-        if not async_op:
-            work.wait()
-        elif not work.is_completed():
+        if async_op:
             self._unobserved.append(work)
+        else:
+            work.wait()
         return work
 
     def _finish_unobserved(self) -> None:

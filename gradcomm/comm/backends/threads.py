@@ -63,23 +63,36 @@ class _FutureWork(Work):
 
 
 class _MailWork(Work):
-    """A point-to-point transfer: ``take(timeout)`` completes it (None: already complete)."""
+    """A point-to-point transfer: ``take(timeout)`` completes it (None: already complete); a
+    failed one raises its error from every later wait and test."""
+
+    _failure: RuntimeError | None = None
 
     def __init__(self, take: Callable[[float | None], bool] | None,
                  description: DescriptionLike, timeout: float | None) -> None:
         super().__init__(description, timeout)
         self._take = take
 
+    def _taken(self, timeout: float | None) -> bool:
+        if self._failure is not None:
+            raise self._failure
+        if self._take is not None:
+            try:
+                got = self._take(timeout)
+            except RuntimeError as exc:  # the message left the mailbox: keep the verdict
+                self._failure, self._take = exc, None
+                raise
+            if not got:
+                return False
+            self._take = None
+        return True
+
     def _wait(self, timeout: float | None) -> None:
-        if self._take is not None and not self._take(timeout):
+        if not self._taken(timeout):
             raise TimeoutError(f"{self.description}: nothing was sent")
-        self._take = None
 
     def _test(self) -> bool:
-        if self._take is None or self._take(0.0):
-            self._take = None
-            return True
-        return False
+        return self._taken(0.0)
 
 
 class ThreadGroup:
