@@ -16,7 +16,7 @@ from types import TracebackType
 
 from ...launch.env import env_flag
 
-__all__ = ["ABORT_ENV_VAR", "abort_on_error_enabled", "install_abort_hook"]
+__all__ = ["ABORT_ENV_VAR", "abort_job", "abort_on_error_enabled", "install_abort_hook"]
 
 ABORT_ENV_VAR = "GRADCOMM_MPI_ABORT_ON_ERROR"
 _ABORT_GRACE_S = 0.5
@@ -61,27 +61,31 @@ def install_abort_hook() -> bool:
             finally:
                 from mpi4py import MPI
 
-                aborting = MPI.Is_initialized() and not MPI.Is_finalized()
-                if aborting:
-                    # Said by us, before the grace period: the launcher's own MPI_Abort line can
-                    # be lost when it tears the job down.
-                    _say(f"gradcomm: uncaught {exc_type.__name__} on rank "
-                         f"{MPI.COMM_WORLD.Get_rank()}: aborting the MPI job "
-                         f"(MPI_Abort; {ABORT_ENV_VAR}=0 turns this off)")
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
-                        pass
-                if aborting:
-                    # Give the launcher a moment to forward the traceback: MPI_Abort tears the
-                    # job down at once and mpiexec can drop output still in its pipes.
-                    time.sleep(_ABORT_GRACE_S)
-                    MPI.COMM_WORLD.Abort(1)
+                if MPI.Is_initialized() and not MPI.Is_finalized():
+                    abort_job(f"uncaught {exc_type.__name__} on rank "
+                              f"{MPI.COMM_WORLD.Get_rank()}: aborting the MPI job (MPI_Abort; "
+                              f"{ABORT_ENV_VAR}=0 turns this off)")
 
         sys.excepthook = _abort_hook
         _hook_installed = True
         return True
+
+
+def abort_job(why: str) -> None:
+    """Say ``gradcomm: <why>`` on stderr, flush, and end the whole MPI job (``MPI_Abort``).
+
+    The line is ours, said before a short grace period: the launcher's own MPI_Abort line can be
+    lost when it tears the job down, and mpiexec can drop output still in its pipes."""
+    from mpi4py import MPI
+
+    _say(f"gradcomm: {why}")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
+            pass
+    time.sleep(_ABORT_GRACE_S)
+    MPI.COMM_WORLD.Abort(1)
 
 
 def _say(line: str) -> None:

@@ -179,7 +179,7 @@ class MPICommunicator(Communicator):
         self._scratch = ScratchPool()
         self._datatypes: dict[torch.dtype, MPI.Datatype] = {}
         self._support_cache: dict[tuple[torch.dtype, str], Support] = {}
-        self._progress = ProgressThread(f"gradcomm-mpi-rank{launch.rank}")
+        self._progress = ProgressThread(f"gradcomm-mpi-rank{launch.rank}", self._timeout)
 
     @staticmethod
     def _launch_from_mpi(world: MPIModule.Intracomm) -> LaunchInfo:

@@ -18,21 +18,29 @@ receives, would deadlock against a peer doing the same), so the thread posts the
 Every call runs on this thread, so the communicator needs ``MPI_THREAD_MULTIPLE`` (mpi4py asks for
 it by default): the training thread, the progress threads of other communicators and the user's
 own mpi4py calls may be in MPI at the same time.
+
+At exit, before mpi4py's ``MPI_Finalize``, every progress thread finishes what it was given; one
+still in MPI by then -- in a collective that timed out, or past its communicator's timeout -- would
+make ``MPI_Finalize`` run beside it (undefined: MPICH corrupts its heap), so the job is aborted
+with ``MPI_Abort`` instead, naming the call (:func:`finish_at_exit`).
 """
 
 from __future__ import annotations
 
 import _thread
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
 from mpi4py import MPI
 
+from ...errors import brief
 from ...work import DescriptionLike, Work
 
-__all__ = ["MPIWork", "ProgressThread", "mpi_error"]
+__all__ = ["MPIWork", "ProgressThread", "finish_at_exit", "mpi_error"]
 
 #: What the thread runs for one work: a blocking MPI call (returns None once done), or the post
 #: of a transfer (returns its pending request).
@@ -65,6 +73,8 @@ class MPIWork(Work):
     expect_bytes: int | None = None
     #: The thread and call to post at bind (see post_on).
     _post: tuple[ProgressThread, Call] | None = None
+    #: True once a wait on it timed out (the call may never end: see finish_at_exit).
+    timed_out = False
 
     def __init__(self, description: DescriptionLike, timeout: float | None,
                  keepalive: tuple[object, ...] = (), *, expect_bytes: int | None = None) -> None:
@@ -102,6 +112,7 @@ class MPIWork(Work):
         if not self._mpi_done:
             limit = -1.0 if timeout is None else min(timeout, threading.TIMEOUT_MAX)
             if not self._ready.acquire(True, limit):
+                self.timed_out = True
                 raise TimeoutError(f"{self.description}: the MPI call is still running")
             self._ready.release()  # for other waiters
         if self._failure is not None:
@@ -122,7 +133,10 @@ class ProgressThread:
         name: the thread's name (e.g. ``"gradcomm-mpi-rank0"``).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, timeout: float | None) -> None:
+        self.timeout = timeout  # the communicator's: how long a call may take
+        #: The work whose call the thread is in (None: waiting for work).
+        self.current: MPIWork | None = None
         self._queue: queue.SimpleQueue[tuple[MPIWork, Call] | None] = queue.SimpleQueue()
         self._transfers: list[tuple[MPI.Request, MPIWork]] = []
         # The request the thread waits on in MPI beside its transfers (None: not waiting there,
@@ -131,6 +145,7 @@ class ProgressThread:
         self._wakeup: MPI.Grequest | None = None
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def submit(self, work: MPIWork, call: Call) -> None:
         """Queue ``call`` behind every call submitted before; ``work`` completes with it."""
@@ -148,7 +163,10 @@ class ProgressThread:
         self._queue.put(None)
         self._wake()
         self._thread.join(wait_s)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        _live.discard(self)
+        return True
 
     def _wake(self) -> None:
         with self._lock:
@@ -179,6 +197,7 @@ class ProgressThread:
         return self._queue.get()
 
     def _run(self, work: MPIWork, call: Call) -> None:
+        self.current = work
         try:
             request = call()
         except MPI.Exception as exc:
@@ -190,6 +209,8 @@ class ProgressThread:
                 work.finished()
             else:
                 self._transfers.append((request, work))
+        finally:
+            self.current = None
 
     def _wait_for_transfers(self, wakeup: MPI.Grequest) -> None:
         """Block in MPI until a pending transfer completes or :meth:`submit` wakes the thread."""
@@ -220,3 +241,30 @@ class ProgressThread:
             else:
                 work.finished()
         self._transfers = pending
+
+
+#: Every progress thread not stopped yet (see finish_at_exit).
+_live: weakref.WeakSet[ProgressThread] = weakref.WeakSet()
+
+
+def finish_at_exit() -> None:
+    """Stop every progress thread before ``MPI_Finalize`` (registered with :mod:`atexit` when
+    this module is imported, after mpi4py's, so it runs first).
+
+    A thread whose call timed out for its waiter gets no more time; the others get their
+    communicator's timeout to finish what they were given. If one is still in MPI then, the job
+    is aborted (``MPI_Abort``), naming the call: ``MPI_Finalize`` beside it is undefined.
+    """
+    from .abort import abort_job
+
+    for thread in list(_live):
+        current = thread.current
+        wait = 0.0 if current is not None and current.timed_out else thread.timeout
+        if not thread.stop(wait if wait is not None else threading.TIMEOUT_MAX):
+            what = "transfers" if current is None else brief(current.description, 70)
+            abort_job(f"rank {MPI.COMM_WORLD.Get_rank()} exits while MPI still runs {what}, "
+                      "which timed out or never completed; aborting the MPI job (MPI_Finalize "
+                      "cannot run beside it)")
+
+
+atexit.register(finish_at_exit)
