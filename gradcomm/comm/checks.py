@@ -187,9 +187,11 @@ class TensorChecks:
         group: ``"rank r/w"``, for descriptions.
         supports: the backend's :meth:`~gradcomm.comm.Communicator._supports`, asked once per
             (dtype, device) whether reductions of it are possible.
+        exact_device: tensors must be on ``device`` itself, not just of its type (NCCL: one GPU
+            per communicator).
     """
 
-    __slots__ = ("_backend", "_cpu_kinds", "_device", "_group", "_supports", "kinds")
+    __slots__ = ("_backend", "_cpu_kinds", "_device", "_exact", "_group", "_supports", "kinds")
 
     def __init__(
         self,
@@ -197,9 +199,11 @@ class TensorChecks:
         device: torch.device,
         group: str,
         supports: Callable[[torch.dtype, torch.device], Support],
+        exact_device: bool = False,
     ) -> None:
         self._backend = backend
         self._device = device
+        self._exact = exact_device
         self._group = group
         self._supports = supports
         #: The verdicts so far: a hit costs one dict lookup. CPU tensors' are keyed by dtype
@@ -233,7 +237,8 @@ class TensorChecks:
     def classify(self, tensor: torch.Tensor) -> TensorKind:
         """Classify (and cache) ``tensor``'s (dtype, device).
 
-        ValueError: a device type other than the communicator's (raised for every collective);
+        ValueError: a device type other than the communicator's, or with ``exact_device`` another
+        device (raised for every collective);
         TypeError: a dtype the backend's ``_supports`` calls unsupported (raised for reductions
         only; complex dtypes land here, and :meth:`Communicator.all_reduce` reduces their real
         view instead).
@@ -245,6 +250,9 @@ class TensorChecks:
             error = ValueError
             reason = (f"tensor is on {device}, but this {self._backend} communicator works on "
                       f"{self._device}")
+        elif self._exact and device != self._device:
+            error = ValueError
+            reason = f"tensor is on {device}, but this communicator's GPU is {self._device}"
         else:
             support = self._supports(dtype, device)
             reason = support.reason

@@ -292,6 +292,8 @@ class Communicator(abc.ABC):
 
     #: Name of the backend, as given to :func:`gradcomm.init` (``"gloo"``, ``"mpi"``, ...).
     backend: ClassVar[str] = "abstract"
+    #: Whether tensors must be on the communicator's device itself, not just of its type.
+    exact_device: ClassVar[bool] = False
     #: Reduction ops the transport performs itself; others are emulated by this class.
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset({ReduceOp.SUM, ReduceOp.MIN,
                                                                   ReduceOp.MAX, ReduceOp.PRODUCT})
@@ -318,7 +320,7 @@ class Communicator(abc.ABC):
         self._children: list[weakref.ref[Communicator]] = []
         # The helpers of the one path (_issue), composed.
         self._checks = TensorChecks(self.backend, self._device, f"rank {rank}/{world_size}",
-                                    self._supports)
+                                    self._supports, self.exact_device)
         self._stalls = StallGuard(self.backend)
         # Works returned pending that nobody has seen complete yet, oldest first (see _issue).
         self._unobserved: collections.deque[Work] = collections.deque()
@@ -577,7 +579,7 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         self._begin(async_op)
-        tail = self._check_tensor(tensor, "broadcast", reduction=False)
+        tail = self._checks.check(tensor, "broadcast", reduction=False)
         check_src(src, self._world_size)
         if self._world_size == 1 or tensor.numel() == 0:
             check_writable(tensor, "broadcast")
@@ -647,7 +649,7 @@ class Communicator(abc.ABC):
         op = ReduceOp.coerce(op)
         self._begin(async_op, label)
         try:
-            tail = self._check_tensor(tensor, "all_reduce")
+            tail = self._checks.check(tensor, "all_reduce")
         except TypeError:
             if not (isinstance(tensor, torch.Tensor) and tensor.is_complex()):
                 raise
@@ -689,7 +691,7 @@ class Communicator(abc.ABC):
         """
         op = ReduceOp.coerce(op)
         self._begin(async_op, label)
-        tail = self._check_tensor(tensor, "reduce")
+        tail = self._checks.check(tensor, "reduce")
         check_rank_arg("dst", dst, self._world_size)
         check_avg(tensor, op)
         check_writable(tensor, "reduce")
@@ -731,8 +733,8 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         self._begin(async_op)
-        tail = self._check_tensor(input, "all_gather", reduction=False)
-        self._check_tensor(output, "all_gather", reduction=False)
+        tail = self._checks.check(input, "all_gather", reduction=False)
+        self._checks.check(output, "all_gather", reduction=False)
         if output_split_sizes is not None:
             return self._all_gather_uneven(output, input, output_split_sizes, tail, async_op)
         check_all_gather(output, input, self._world_size)
@@ -827,13 +829,13 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         self._begin(async_op)
-        tail = self._check_tensor(input, "gather", reduction=False)
+        tail = self._checks.check(input, "gather", reduction=False)
         check_rank_arg("dst", dst, self._world_size)
         root = self._rank == dst
         target: torch.Tensor | None = None
         if root:
             target = _root_buffer("gather", output, input, self._world_size)
-            self._check_tensor(target, "gather", reduction=False)
+            self._checks.check(target, "gather", reduction=False)
             check_writable(target, "gather")
         if self._world_size == 1 or input.numel() == 0:
             if target is not None:
@@ -869,13 +871,13 @@ class Communicator(abc.ABC):
             RuntimeError: the communicator is closed.
         """
         self._begin(async_op)
-        tail = self._check_tensor(output, "scatter", reduction=False)
+        tail = self._checks.check(output, "scatter", reduction=False)
         check_rank_arg("src", src, self._world_size)
         check_writable(output, "scatter")
         chunks: torch.Tensor | None = None
         if self._rank == src:
             chunks = _root_buffer("scatter", input, output, self._world_size)
-            self._check_tensor(chunks, "scatter", reduction=False)
+            self._checks.check(chunks, "scatter", reduction=False)
         if self._world_size == 1 or output.numel() == 0:
             if chunks is not None:
                 with writing_into(output):
@@ -917,8 +919,8 @@ class Communicator(abc.ABC):
         """
         op = ReduceOp.coerce(op)
         self._begin(async_op, label)
-        tail = self._check_tensor(input, "reduce_scatter")
-        self._check_tensor(output, "reduce_scatter")
+        tail = self._checks.check(input, "reduce_scatter")
+        self._checks.check(output, "reduce_scatter")
         check_reduce_scatter(output, input, self._world_size)
         check_avg(input, op)
         check_writable(output, "reduce_scatter")
@@ -960,8 +962,8 @@ class Communicator(abc.ABC):
         """
         w = self._world_size
         self._begin(async_op)
-        tail = self._check_tensor(input, "all_to_all", reduction=False)
-        self._check_tensor(output, "all_to_all", reduction=False)
+        tail = self._checks.check(input, "all_to_all", reduction=False)
+        self._checks.check(output, "all_to_all", reduction=False)
         check_same_dtype("all_to_all", output, input)
         send = check_splits("all_to_all", "input_split_sizes", input_split_sizes, input, w)
         recv = check_splits("all_to_all", "output_split_sizes", output_split_sizes, output, w)
@@ -1042,11 +1044,6 @@ class Communicator(abc.ABC):
         if self._stalls.stalled is not None:
             self._stalls.check()
 
-    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
-        """Raise on a tensor this communicator cannot take (:meth:`TensorChecks.check`); return
-        its description tail. A backend with more conditions (one CUDA device) extends it."""
-        return self._checks.check(tensor, opname, reduction=reduction)
-
     @staticmethod
     def _distinct(src: torch.Tensor,
                   out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1117,7 +1114,7 @@ class Communicator(abc.ABC):
     def _prepare_transfer(self, kind: P2PKind, tensor: torch.Tensor, peer: int,
                           tag: int) -> Transfer:
         name = "dst" if kind is P2PKind.SEND else "src"
-        tail = self._check_tensor(tensor, kind.value, reduction=False)
+        tail = self._checks.check(tensor, kind.value, reduction=False)
         _check_peer(peer, name, self._rank, self._world_size)
         _check_tag(tag)
         if kind is P2PKind.RECV:

@@ -41,7 +41,7 @@ from gradcomm import (
 from gradcomm.comm import Launcher, LaunchInfo, available_backends, select_backend
 from gradcomm.comm.backends import cuda_packages
 from gradcomm.comm.backends.cupy_nccl import CudaEventWork
-from gradcomm.comm.backends.nccl import check_same_device, nccl_support, resolve_cuda_device
+from gradcomm.comm.backends.nccl import nccl_support, resolve_cuda_device
 
 HAS_CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -230,10 +230,12 @@ def test_nccl_communicator_set_up_with_a_fake_process_group(
     assert made == [("HashStore", 0, 1, datetime.timedelta(seconds=12), False)]
     comm._group = group
     with pytest.raises(ValueError, match="on meta, but this nccl communicator works on cuda:2"):
-        comm._check_tensor(torch.empty(2, device="meta"), "x")
-    other_gpu = types.SimpleNamespace(device=torch.device("cuda", 3))  # no CUDA tensors here
-    with pytest.raises(ValueError, match="cuda:3, but this communicator's GPU is cuda:2"):
-        check_same_device(other_gpu, comm.device, "x")  # type: ignore[arg-type]
+        comm._checks.check(torch.empty(2, device="meta"), "x")
+    # no CUDA tensors here: the verdict on a (dtype, device) pair, as the check caches it
+    other_gpu = types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda", 3))
+    error, reason, _ = comm._checks.classify(other_gpu)  # type: ignore[arg-type]
+    assert error is ValueError
+    assert reason == "tensor is on cuda:3, but this communicator's GPU is cuda:2"
     comm.close()
     assert made[-1] == "shutdown"
 

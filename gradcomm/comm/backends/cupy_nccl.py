@@ -57,7 +57,6 @@ from .cuda_event import CudaEventWork
 from .cuda_packages import cupy_pip, nccl_pip
 from .nccl import (
     NCCL_REDUCE_OPS,
-    check_same_device,
     nccl_support,
     resolve_cuda_device,
 )
@@ -136,6 +135,7 @@ class CupyNCCLCommunicator(Communicator):
     """
 
     backend = "cupy-nccl"
+    exact_device = True
     native_reduce_ops = NCCL_REDUCE_OPS  # without AVG on NCCL < 2.10 (set per instance)
 
     def __init__(
@@ -254,11 +254,6 @@ class CupyNCCLCommunicator(Communicator):
             )
         return support
 
-    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
-        tail = super()._check_tensor(tensor, opname, reduction=reduction)
-        if isinstance(tensor, torch.Tensor):  # always, after the base class's checks
-            check_same_device(tensor, self.device, opname)
-        return tail
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, description: DescriptionLike) -> Work:

@@ -60,7 +60,6 @@ __all__ = [
     "NCCL_REDUCE_OPS",
     "NCCLCommunicator",
     "NCCLWork",
-    "check_same_device",
     "nccl_support",
     "nccl_unavailable",
     "poll_until_done",
@@ -146,14 +145,6 @@ def resolve_cuda_device(
     if dev.index >= count:
         raise ValueError(f"{dev} does not exist: this host has {count} CUDA device(s)")
     return dev
-
-
-def check_same_device(tensor: torch.Tensor, device: torch.device, opname: str) -> None:
-    """Raise ValueError when a CUDA tensor is on another GPU than the communicator's."""
-    if tensor.device != device:
-        raise ValueError(
-            f"{opname}: tensor is on {tensor.device}, but this communicator's GPU is {device}"
-        )
 
 
 def post_in_pair_order(rank: int, ops: list[Transfer],
@@ -247,6 +238,7 @@ class NCCLCommunicator(TorchDistCommunicator):
     """
 
     backend = "nccl"
+    exact_device = True
     native_reduce_ops = NCCL_REDUCE_OPS
     interface_variable = "NCCL_SOCKET_IFNAME"  # unset: gradcomm sets it to the chosen interface
     exports_interface = True
@@ -318,9 +310,4 @@ class NCCLCommunicator(TorchDistCommunicator):
         # rank of each pair sends first. torch's own batching API needs a registered group.
         return post_in_pair_order(self.rank, prepared, lambda p: self._post_transfer(p, True))
 
-    def _check_tensor(self, tensor: object, opname: str, *, reduction: bool = True) -> str:
-        tail = super()._check_tensor(tensor, opname, reduction=reduction)
-        if isinstance(tensor, torch.Tensor):  # always, after the base class's checks
-            check_same_device(tensor, self.device, opname)
-        return tail
 
