@@ -39,9 +39,10 @@ import torch
 
 
 def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls: int, *,
-                      warmup: int) -> dict[str, float]:
-    """Time each of ``kinds`` ``calls`` times, alternating them call by call in an order reversed
-    every round (after ``warmup`` rounds); call on every rank of ``world`` (an ``MPI.Comm``).
+                      warmup: int, block: int = 1) -> dict[str, float]:
+    """Time each of ``kinds`` ``calls`` times, alternating them in turns of ``block`` calls (1:
+    call by call) in an order reversed every round (after ``warmup`` rounds); call on every rank
+    of ``world`` (an ``MPI.Comm``).
 
     Returns, on every rank, per kind the median over calls of the slowest rank's time, in
     microseconds.
@@ -52,11 +53,13 @@ def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls:
     for _ in range(warmup):
         for k in names:
             kinds[k]()
-    for r in range(calls):
+    for r in range(max(1, calls // block)):
         for k in (names if r % 2 else names[::-1]):
-            t0 = clock()
-            kinds[k]()
-            times[k].append(clock() - t0)
+            call = kinds[k]
+            for _ in range(block):
+                t0 = clock()
+                call()
+                times[k].append(clock() - t0)
     out = {}
     for k, v in times.items():
         slowest = [max(x) * 1e6 for x in zip(*world.allgather(v), strict=True)]
@@ -133,6 +136,9 @@ def main() -> None:
                    help="message sizes in bytes (float32 data; default 64 KiB, 1, 4, 16 MiB)")
     p.add_argument("--seconds", type=float, default=3.0,
                    help="time budget per (op, size), sets the number of calls (default 3)")
+    p.add_argument("--block", type=int, default=1,
+                   help="calls of one kind per turn (default 1: call by call; with N, MPI's state "
+                   "stays with one thread for N calls, as it does in use)")
     p.add_argument("--json", type=Path, help="also write the numbers here (benchmarks/report.py "
                    "prints them as a table)")
     args = p.parse_args()
@@ -141,8 +147,9 @@ def main() -> None:
     import gradcomm
     from gradcomm.bench.results import run_metadata
 
-    if any(b < 4 or b % 4 for b in args.bytes) or not args.seconds > 0:
-        p.error("every --bytes must be a positive multiple of 4 (float32 data), --seconds > 0")
+    if any(b < 4 or b % 4 for b in args.bytes) or not args.seconds > 0 or args.block < 1:
+        p.error("every --bytes must be a positive multiple of 4 (float32 data), --seconds > 0, "
+                "--block >= 1")
     world = MPI.COMM_WORLD
     n = world.Get_size()
     if n < 2:  # one process, or torchrun (whose ranks are MPI singletons)
@@ -159,7 +166,8 @@ def main() -> None:
     baseline = "mpi4py" if args.backend == "mpi" else "raw"
     rows = []
     if world.Get_rank() == 0:
-        print(f"{args.backend}, {n} ranks, interleaved call by call; median over calls of the "
+        turns = "call by call" if args.block == 1 else f"in turns of {args.block} calls"
+        print(f"{args.backend}, {n} ranks, interleaved {turns}; median over calls of the "
               f"max over ranks\n{'op':<15} {'bytes':>9} {'calls':>6} {'comm us':>9} "
               f"{baseline + ' us':>10} {'diff us':>8} {'ratio':>6}", flush=True)
     for op in ops:
@@ -167,7 +175,8 @@ def main() -> None:
             kinds = (gloo_kinds(comm, nbytes) if raw is None
                      else mpi_kinds(comm, raw, op, nbytes))
             calls = calls_for(nbytes, args.seconds)
-            us = interleaved_times(world, kinds, calls, warmup=max(3, calls // 20))
+            us = interleaved_times(world, kinds, calls, warmup=max(3, calls // 20),
+                                   block=args.block)
             row = {"op": op, "bytes": nbytes, "calls": calls, "comm_us": us["comm"],
                    "baseline_us": us[baseline], "diff_us": us["comm"] - us[baseline],
                    "ratio": us["comm"] / us[baseline]}
@@ -178,7 +187,7 @@ def main() -> None:
                       f"{row['ratio']:>6.3f}", flush=True)
     if args.json is not None and world.Get_rank() == 0:
         meta.update({"tool": "benchmarks/call_overhead.py", "world_size": n,
-                     "backend": args.backend, "baseline": baseline,
+                     "backend": args.backend, "baseline": baseline, "block": args.block,
                      "time": "median over calls of the max over ranks",
                      "loadavg_end": list(os.getloadavg())})
         args.json.write_text(json.dumps({"meta": meta, "overhead": rows}, indent=1) + "\n")
