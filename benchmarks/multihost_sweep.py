@@ -1,9 +1,9 @@
 """``python -m gradcomm.bench`` across two hosts simulated with network namespaces (root only).
 
-Builds the two namespaces of ``tests/netns_hosts.py`` (a veth pair, a hostname and an /etc/hosts
-each), runs the sweep under MPICH's hydra ``mpiexec`` with 2 ranks per host -- the second host's
-ranks started through the ssh stand-in -- with no network variable set, and tears everything
-down. Extra arguments go to the sweep::
+Builds the two namespaces of ``tests/_support/netns_hosts.py`` (a veth pair, a hostname and an
+/etc/hosts each), runs the sweep under MPICH's hydra ``mpiexec`` with 2 ranks per host -- the
+second host's ranks started through the ssh stand-in -- with no network variable set, and tears
+everything down. Extra arguments go to the sweep::
 
     python benchmarks/multihost_sweep.py --variant loopback-127.0.1.1 -- \\
         --backend gloo --backend mpi -e 4M --json benchmarks/results/multihost_sweep.json
@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))  # the test harness, tests._support
 
-from netns_hosts import HOSTS_VARIANTS, SimulatedHosts, namespace_problem
+from tests._support.netns_hosts import HOSTS_VARIANTS, SimulatedHosts, namespace_problem
 
 _CLEARED = ("MASTER_", "GLOO_", "NCCL_", "GRADCOMM_", "RANK", "WORLD_SIZE", "LOCAL_", "PMI_")
 

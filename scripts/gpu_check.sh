@@ -227,7 +227,7 @@ mpi_job() {  # mpi_job NAME KIND CMD... : FAIL at once without MPI (a missing pi
     run_job "$name" "$(budget_of "$name")" 2 "$kind" "${MPIRUN[@]}" "$@"
 }
 BENCH=(-m gradcomm.bench --device cuda -b 1K -e 4M -f 16 -n 5 -w 2 -r 1 --timeout 30)
-JOB=tests/gpu_jobs.py
+JOB=tests/_support/gpu_jobs.py
 
 # ---------------------------------------------------------------------------------- checks
 run_job nccl-1 "$(budget_of nccl-1)" 1 job "$PY" "$JOB" nccl-1

@@ -1,22 +1,17 @@
-import sys
-from collections.abc import Generator, Iterable
+"""Checks every test's markers against what it launched, and the ``comm_runner`` fixture.
+
+``tests`` is a package: pytest puts the repository root on ``sys.path``, so the harness imports as
+``tests._support...`` here and in spawned ranks (which inherit ``sys.path``); every other process
+the harness starts gets the root on PYTHONPATH from ``dist_utils.child_env``.
+"""
+
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
 
-# Spawned children unpickle test functions by module name, so tests/ must be importable.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ranks
-
-import dist_utils  # after the path above
-
-
-def missing_markers(launched: Iterable[str], marked: Iterable[str]) -> list[str]:
-    """The markers a test that launched ``launched`` (``mpi``, ``multiprocess``) lacks: each
-    launch kind, and ``slow`` for any launch (the fast tier starts no process)."""
-    kinds = set(launched)
-    return sorted((kinds | {"slow"} if kinds else kinds) - set(marked))
+from tests._support import dist_utils, ranks
+from tests._support.dist_utils import missing_markers
 
 
 def _check_markers(item: pytest.Item, since: int) -> None:

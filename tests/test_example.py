@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_utils import REPO_ROOT, free_port, run_command, run_mpi, run_processes
+from tests._support.dist_utils import REPO_ROOT, free_port, run_command, run_mpi, run_processes
 
 SCRIPT = REPO_ROOT / "examples" / "train_digits.py"
 RUN_TIMEOUT = 150.0  # seconds per launch (a run takes about 5-20 s on 2 cores)

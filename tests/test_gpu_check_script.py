@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dist_utils import REPO_ROOT, run_command
+from tests._support.dist_utils import REPO_ROOT, run_command
 
 CHECKS = ("env", "mpi-setup", "nccl-1", "nccl-2-one-gpu", "cupy-nccl-1", "mpi-cuda-staged",
           "mpi-cuda-aware", "reducer-mpi-cuda", "bench-nccl", "bench-cupy-nccl", "bench-mpi",

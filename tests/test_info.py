@@ -15,7 +15,7 @@ import torch
 import gradcomm
 from gradcomm.info import collect_info, format_info
 
-from dist_utils import REPO_ROOT, run_mpi
+from tests._support.dist_utils import child_env, run_mpi
 
 # Variables that would make the child look launched (torchrun, MPI, SLURM) or pick a backend.
 _LAUNCH_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_", "PMI_",
@@ -24,9 +24,7 @@ _LAUNCH_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP
 
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    env.update(extra)
-    return env
+    return child_env(extra, base=env)
 
 
 def _run_info(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -12,9 +12,8 @@ import ast
 from pathlib import Path
 
 import pytest
-from conftest import missing_markers
 
-from dist_utils import TESTS_DIR, command_kinds, note_launch
+from tests._support.dist_utils import TESTS_DIR, command_kinds, missing_markers, note_launch
 
 # Ways to start a process that bypass dist_utils' records.
 _DIRECT = {"Popen", "Process", "get_context", "spawnv", "fork", "posix_spawn", "system"}
@@ -33,8 +32,10 @@ def _direct_launches(path: Path) -> list[str]:
 
 def test_tests_start_processes_only_through_dist_utils() -> None:
     # subprocess.run of one plain Python process is fine: it is no multi-process test.
-    helpers = [TESTS_DIR / "reducer_cases.py", TESTS_DIR / "ranks.py",
-               TESTS_DIR / "mpi_scripts" / "reducer_common.py"]
+    # the harness (tests/_support/, dist_utils itself aside) included; its scripts run inside
+    # the processes dist_utils started
+    helpers = [p for p in sorted((TESTS_DIR / "_support").glob("*.py"))
+               if p.name != "dist_utils.py"]
     modules = [*sorted(TESTS_DIR.rglob("test_*.py")), *helpers]
     found = [hit for path in modules for hit in _direct_launches(path)]
     assert found == [], "start ranks with dist_utils (run_processes, run_mpi, popen_rank)"

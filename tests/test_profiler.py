@@ -16,7 +16,7 @@ from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks._control import CONTROL_LABEL
 from gradcomm.profiler import OpRecord, Profiler, bus_factor, profile
 
-from dist_utils import run_mpi, run_processes
+from tests._support.dist_utils import run_mpi, run_processes
 
 
 def _workload(comm: gradcomm.Communicator, prof: Profiler) -> None:

@@ -31,7 +31,13 @@ from gradcomm.bench import (
 )
 from gradcomm.bench.__main__ import main
 
-from dist_utils import REPO_ROOT, benchmark_module, run_mpi, run_processes
+from tests._support.dist_utils import (
+    REPO_ROOT,
+    benchmark_module,
+    child_env,
+    run_mpi,
+    run_processes,
+)
 
 MiB = 1024**2
 
@@ -343,7 +349,7 @@ def test_tiny_mpi_sweep_under_mpiexec(tmp_path: Path) -> None:
     out = tmp_path / "mpi.json"
     proc = run_mpi("-m", 2, ["gradcomm.bench", "-b", "8", "-e", "1K", "-n", "2", "-w", "1",
                              "-r", "2", "--backend", "mpi", "--json", str(out)],
-                   timeout=90, env={"PYTHONPATH": str(REPO_ROOT)})
+                   timeout=90)
     assert "busbw" in proc.stdout
     _check_rows(out, "mpi", 2)
 
@@ -442,7 +448,7 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -
     proc = run_mpi(REPO_ROOT / "benchmarks" / "call_overhead.py", 2,
                    ["--backend", backend, "--bytes", "8", "4096", "--seconds", "0.01",
                     "--op", "all_reduce", "reduce_scatter", "--json", str(out)],
-                   timeout=120, env={"PYTHONPATH": str(REPO_ROOT)})
+                   timeout=120)
     doc = json.loads(out.read_text())
     assert doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == backend
     check_provenance(doc["meta"], mpi_loaded=True)
@@ -469,7 +475,7 @@ def test_step_breakdown_times_the_reducer_hooks_inside_backward(backend: str,
     out = tmp_path / "bd.json"
     proc = run_mpi(REPO_ROOT / "benchmarks" / "step_breakdown.py", 2,
                    ["--model", "conv", "--backend", backend, "--steps", "10", "--warmup", "1",
-                    "--out", str(out)], timeout=240, env={"PYTHONPATH": str(REPO_ROOT)})
+                    "--out", str(out)], timeout=240)
     doc = json.loads(out.read_text())
     assert doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == backend
     check_provenance(doc["meta"], mpi_loaded=True)
@@ -496,11 +502,7 @@ def test_step_breakdown_times_the_reducer_hooks_inside_backward(backend: str,
                                   ["--backend", "nccl"], ["--out", "/"],
                                   ["--out", "/no/such/dir/bd.json"]])
 def test_step_breakdown_rejects_bad_arguments_before_starting(argv: list[str]) -> None:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        import step_breakdown  # type: ignore[import-not-found]
-    finally:
-        sys.path.pop(0)
+    step_breakdown = benchmark_module("step_breakdown")
     with pytest.raises(SystemExit) as info:
         step_breakdown.parse_args(argv)
     assert info.value.code == 2
@@ -510,7 +512,7 @@ def test_step_breakdown_rejects_bad_arguments_before_starting(argv: list[str]) -
 def test_step_breakdown_refuses_one_process() -> None:
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "step_breakdown.py")],
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                          env=child_env())
     assert proc.returncode == 2 and "mpiexec with 2 or more ranks" in proc.stderr, proc.stderr
 
 
@@ -523,7 +525,7 @@ def test_step_breakdown_refuses_one_process() -> None:
 def test_call_overhead_rejects_what_it_cannot_measure(argv: list[str], says: str) -> None:
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "call_overhead.py"),
                            *argv], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                          env=child_env())
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr
 
 

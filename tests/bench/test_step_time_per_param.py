@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import benchmark_module
+from tests._support.dist_utils import benchmark_module
 
 
 @pytest.fixture(scope="module")

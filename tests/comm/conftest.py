@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from fake_cuda import install, install_cupy
 
 from gradcomm.comm import Launcher, LaunchInfo
 from gradcomm.comm.backends import cupy_nccl
+
+from tests._support.fake_cuda import install, install_cupy
 
 
 @pytest.fixture

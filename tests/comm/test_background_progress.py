@@ -7,7 +7,7 @@ import pytest
 from gradcomm.comm import Launcher, LaunchInfo
 from gradcomm.comm.backends.gloo import GlooCommunicator
 
-from dist_utils import plain_python, require_mpi
+from tests._support.dist_utils import plain_python, require_mpi
 
 
 @pytest.mark.parametrize(("cores", "local_world_size", "want"),

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from coll_cases import FLOATS, HALF, INTS, every_collective
-from ranks import RankRunner
 
 from gradcomm.comm import Collective, SupportLevel
 from gradcomm.comm.backends.threads import ThreadGroup
+
+from tests._support.coll_cases import FLOATS, HALF, INTS, every_collective
+from tests._support.ranks import RankRunner
 
 #: The dtypes each backend is checked in: gloo without int16 and bool.
 DTYPES = {"threads": FLOATS + INTS + HALF + [torch.int16, torch.bool],

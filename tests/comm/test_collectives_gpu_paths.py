@@ -12,13 +12,20 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fake_cuda import install, install_cupy
-from fake_device import FakeDeviceCommunicator, FakeDeviceTensor, fake_device, to_cpu, to_fake
 
 from gradcomm import ReduceOp
 from gradcomm.comm import Launcher, LaunchInfo
 from gradcomm.comm.backends import cupy_nccl
 from gradcomm.comm.backends.threads import ThreadGroup
+
+from tests._support.fake_cuda import install, install_cupy
+from tests._support.fake_device import (
+    FakeDeviceCommunicator,
+    FakeDeviceTensor,
+    fake_device,
+    to_cpu,
+    to_fake,
+)
 
 
 def _cuda(t: torch.Tensor) -> FakeDeviceTensor:

@@ -14,21 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpi_scripts.collective_checks import (
-    check_any_dtype_moves,
-    check_awkward_targets,
-    check_callbacks_on_completed_works,
-    check_complex,
-    check_sign_bits,
-)
-from ranks import RankRunner
 
 import gradcomm
 from gradcomm.comm import CollectiveTimeoutError, Communicator, ReduceOp, SupportLevel
 from gradcomm.comm.backends.threads import ThreadGroup
 from gradcomm.comm.work import Description
 
-from dist_utils import run_processes
+from tests._support.collective_checks import (
+    check_any_dtype_moves,
+    check_awkward_targets,
+    check_callbacks_on_completed_works,
+    check_complex,
+    check_sign_bits,
+)
+from tests._support.dist_utils import run_processes
+from tests._support.ranks import RankRunner
 
 N = 1031  # odd, so no transport gets a conveniently divisible size
 EXACT_DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]

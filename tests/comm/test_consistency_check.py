@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import re
 
-import consistency_cases as cc
 import pytest
 import torch
-from mpi_scripts.reducer_common import (
+
+import gradcomm
+from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm.consistency import DebugLevel, debug_level_from_env, mismatch_message
+from gradcomm.hooks import GradientReducer
+
+from tests._support import consistency_cases as cc
+from tests._support.ranks import RankRunner
+from tests._support.reducer_common import (
     batch,
     eval_bn,
     grads_close,
@@ -19,12 +26,6 @@ from mpi_scripts.reducer_common import (
     make_model,
     reference_grads,
 )
-from ranks import RankRunner
-
-import gradcomm
-from gradcomm.comm.backends.threads import ThreadGroup
-from gradcomm.comm.consistency import DebugLevel, debug_level_from_env, mismatch_message
-from gradcomm.hooks import GradientReducer
 
 NAMES = list(cc.CASES)
 
@@ -165,7 +166,7 @@ def _init_with_debug_on_rank_1(rank: int, world_size: int) -> str:
 def test_debug_levels_that_differ_are_refused_by_init_on_every_rank_under_torchrun() -> None:
     # Under an MPI launcher the settings check compares them (test_mpi_backend); a torchrun-style
     # launch compares them on the new communicator, before any check could pair with data.
-    from dist_utils import run_processes
+    from tests._support.dist_utils import run_processes
 
     out = run_processes(_init_with_debug_on_rank_1, 2, timeout=90)
     assert out == ["the ranks chose different debug levels (rank 0: off; rank 1: detail); pass "

@@ -14,7 +14,13 @@ import re
 
 import pytest
 import torch
-from fake_device import (
+from torch import nn
+
+import gradcomm
+from gradcomm.hooks import GradientReducer
+
+from tests._support.dist_utils import MPI_SCRIPTS, run_mpi, run_processes
+from tests._support.fake_device import (
     FAKE,
     FakeDeviceCommunicator,
     FakeDeviceTensor,
@@ -23,13 +29,7 @@ from fake_device import (
     to_fake,
     to_fake_module,
 )
-from fake_device_checks import CASES, run_device_checks
-from torch import nn
-
-import gradcomm
-from gradcomm.hooks import GradientReducer
-
-from dist_utils import TESTS_DIR, run_mpi, run_processes
+from tests._support.fake_device_checks import CASES, run_device_checks
 
 
 # ============================================================================ the harness itself
@@ -147,7 +147,7 @@ def test_every_layer_on_the_fake_device_matches_cpu_over_gloo(world_size: int) -
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_layer_on_the_fake_device_matches_cpu_over_mpi(world_size: int) -> None:
-    proc = run_mpi(TESTS_DIR / "mpi_scripts" / "fake_device.py", world_size, timeout=360)
+    proc = run_mpi(MPI_SCRIPTS / "fake_device.py", world_size, timeout=360)
     # Ranks print concurrently, so their lines may run together: search, do not split.
     found = re.findall(r"fake-device rank (\d+): (\d+) checks, all equal", proc.stdout)
     assert sorted(found) == [(str(r), str(len(CASES) + 2)) for r in range(world_size)], proc.stdout

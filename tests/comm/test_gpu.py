@@ -22,15 +22,11 @@ import re
 import sys
 import traceback
 import types
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, when run as a script
-from gpu_jobs import collective_checks, grad_check
 
 import gradcomm
 from gradcomm import (
@@ -42,6 +38,8 @@ from gradcomm.comm import Launcher, LaunchInfo, available_backends, select_backe
 from gradcomm.comm.backends import cuda_packages
 from gradcomm.comm.backends.cupy_nccl import CudaEventWork
 from gradcomm.comm.backends.nccl import nccl_support, resolve_cuda_device
+
+from tests._support.gpu_jobs import collective_checks, grad_check
 
 HAS_CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -391,7 +389,7 @@ def _cupy_nccl_store_rank(rank: int) -> gradcomm.Communicator:
 def test_cupy_nccl_unique_id_travels_over_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
     from gradcomm.comm.backends import cupy_nccl
 
-    from dist_utils import free_port
+    from tests._support.dist_utils import free_port
 
     fake = FakeCupy(monkeypatch, nccl_version=22105, gpus=2)
     port = free_port()
@@ -451,7 +449,7 @@ def _nccl_rank(rank: int, world_size: int) -> float:
 @needs_cuda
 @needs_two_gpus
 def test_nccl_two_processes() -> None:
-    from dist_utils import run_processes
+    from tests._support.dist_utils import run_processes
 
     errors = run_processes(_nccl_rank, 2, timeout=180)  # each rank asserts its values
     assert len(errors) == 2
@@ -488,7 +486,7 @@ def test_cupy_nccl_world_size_1_drives_nccl() -> None:
 @needs_cuda
 def test_cupy_nccl_under_mpiexec_without_master_addr() -> None:
     pytest.importorskip("cupy", reason="cupy is not installed")
-    from dist_utils import require_mpi, run_mpi
+    from tests._support.dist_utils import require_mpi, run_mpi
 
     require_mpi()
     n = min(2, N_GPUS)  # one rank per GPU (NCCL's rule)
@@ -503,7 +501,7 @@ def test_cupy_nccl_under_mpiexec_without_master_addr() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_mpi_with_cuda_buffers_two_ranks_sharing_a_gpu() -> None:
-    from dist_utils import require_mpi, run_mpi
+    from tests._support.dist_utils import require_mpi, run_mpi
 
     require_mpi()
     out = run_mpi(__file__, 2, ["--job", "mpi-cuda"], timeout=180).stdout

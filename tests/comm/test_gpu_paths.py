@@ -17,8 +17,6 @@ import pytest
 import tomllib
 import torch
 import torch.distributed as dist
-from fake_cuda import Log, install, install_cupy
-from fake_device import FakeDeviceTensor
 
 from gradcomm import CollectiveTimeoutError, ReduceOp
 from gradcomm.comm import Launcher, LaunchInfo
@@ -26,7 +24,9 @@ from gradcomm.comm.backends import cuda_packages, cupy_nccl, nccl, torch_dist
 from gradcomm.comm.backends.mpi import device as mpi_device
 from gradcomm.comm.launch.rendezvous import Rendezvous
 
-from dist_utils import REPO_ROOT
+from tests._support.dist_utils import REPO_ROOT
+from tests._support.fake_cuda import Log, install, install_cupy
+from tests._support.fake_device import FakeDeviceTensor
 
 CUDA0 = torch.device("cuda", 0)
 

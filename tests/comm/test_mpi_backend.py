@@ -6,27 +6,26 @@ is bounded by ``run_mpi``'s timeout, which kills the whole job.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
 
 import pytest
-import ranks
-from mpi_scripts.mpi_backend_collectives import every_op_and_dtype
 
-from dist_utils import (
-    REPO_ROOT,
-    TESTS_DIR,
+from tests._support import ranks
+from tests._support.dist_utils import (
+    MPI_SCRIPTS,
     _mpiexec_flags,
+    child_env,
     free_port,
     plain_python,
     require_mpi,
     run_command,
     run_mpi,
 )
+from tests._support.mpi_backend_collectives import every_op_and_dtype
 
-SCRIPTS = TESTS_DIR / "mpi_scripts"
+SCRIPTS = MPI_SCRIPTS
 # checks every_op_and_dtype makes: 44 all-reduces (10 dtypes x 5 ops, no AVG of integers or
 # bool), 2 odd shapes, 6 broadcasts, 4 all-gathers, a barrier, 3 async, 2 large half runs
 CHECKS = 62
@@ -284,7 +283,7 @@ def test_init_after_mpi4py_was_imported_without_mpi_init() -> None:
 def test_torchrun_started_by_mpiexec_does_not_initialise_mpi() -> None:
     # torchrun's variables win; its workers were not started by MPI, where PMI_Init fails
     exe = require_mpi()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = child_env({"OMP_NUM_THREADS": "1"})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     cmd = [exe, *_mpiexec_flags(exe), "-n", "1", sys.executable, "-m", "torch.distributed.run",

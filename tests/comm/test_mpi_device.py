@@ -227,7 +227,7 @@ def test_default_synchronize_and_conversion_on_cpu(fresh_warning: None) -> None:
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_real_mpi_job() -> None:
-    from dist_utils import run_mpi
+    from tests._support.dist_utils import run_mpi
 
     out = run_mpi(__file__, 2, ["--mpi-job"], timeout=90).stdout
     for rank in range(2):

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO_ROOT, TESTS_DIR, popen_rank
-from netns_hosts import HOSTS_VARIANTS, SimulatedHosts, namespace_problem
+from tests._support.dist_utils import MULTIHOST_SCRIPTS, REPO_ROOT, child_env, popen_rank
+from tests._support.netns_hosts import HOSTS_VARIANTS, SimulatedHosts, namespace_problem
 
-SCRIPTS = TESTS_DIR / "multihost_scripts"
+SCRIPTS = MULTIHOST_SCRIPTS
 EXAMPLE = REPO_ROOT / "examples" / "train_digits.py"
 BIN = Path(sys.executable).parent
 RUN_TIMEOUT = 200.0  # seconds per launch; one takes about 30-60 s on 2 busy cores
@@ -37,8 +37,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess, pytest.mark.slow,
 def _env(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's or transport's settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_CLEARED)}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), **extra)
-    return env
+    return child_env({"OMP_NUM_THREADS": "1", **extra}, base=env)
 
 
 def _simulated(variant: str, workdir: Path) -> Iterator[SimulatedHosts]:

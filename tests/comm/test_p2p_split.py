@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from p2p_split_checks import every_case, expect_error
-from ranks import RankRunner
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadGroup
+
+from tests._support.p2p_split_checks import every_case, expect_error
+from tests._support.ranks import RankRunner
 
 
 @pytest.mark.timeout(240)

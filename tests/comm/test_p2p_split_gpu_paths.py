@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from fake_cuda import install, install_cupy
 
 from gradcomm.comm import Launcher, LaunchInfo, P2POp
 from gradcomm.comm.backends import cupy_nccl
@@ -18,9 +17,11 @@ from gradcomm.comm.backends.nccl import post_in_pair_order
 from gradcomm.comm.communicator import P2PKind, Transfer
 from gradcomm.comm.work import CompletedWork, Description, Work
 
+from tests._support.fake_cuda import install, install_cupy
+
 
 def _cuda(t: torch.Tensor) -> Any:
-    from fake_device import FakeDeviceTensor
+    from tests._support.fake_device import FakeDeviceTensor
 
     return FakeDeviceTensor(t.clone(), "cuda:0")
 

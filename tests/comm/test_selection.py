@@ -26,7 +26,7 @@ from gradcomm.comm.launch import registry
 from gradcomm.comm.launch.registry import known_backends
 from gradcomm.comm.launch.selection import DEFAULT_TIMEOUT, init, resolve_timeout
 
-from dist_utils import REPO_ROOT, run_processes
+from tests._support.dist_utils import REPO_ROOT, run_processes
 
 
 @pytest.fixture(autouse=True)

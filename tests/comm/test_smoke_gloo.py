@@ -5,7 +5,7 @@ import torch
 
 import gradcomm
 
-from dist_utils import run_processes
+from tests._support.dist_utils import run_processes
 
 
 def _avg(rank: int, world_size: int) -> list[float]:

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from mpi_scripts.reducer_common import seeded
 from torch import nn
 
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer, _buckets
+
+from tests._support.reducer_common import seeded
 
 # Outputs of the large layer: its weight is above the batching size (read once, before a test
 # changes that size).

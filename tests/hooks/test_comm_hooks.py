@@ -7,14 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from mpi_scripts.reducer_common import (
-    batch,
-    eval_bn,
-    grads_close,
-    loss_fn,
-    make_model,
-    reference_grads,
-)
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
@@ -26,6 +18,15 @@ from gradcomm.hooks import (
     compress_wrapper,
 )
 from gradcomm.hooks.choice import resolve_comm_hook
+
+from tests._support.reducer_common import (
+    batch,
+    eval_bn,
+    grads_close,
+    loss_fn,
+    make_model,
+    reference_grads,
+)
 
 
 def _run(world_size: int, fn: Any) -> list[Any]:

@@ -11,15 +11,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ranks import RankRunner
-from test_example import RUN_TIMEOUT, SCRIPT, _check_output, _load_example
 from torch import nn
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer, PowerSGDState, powersgd_hook
 
-from dist_utils import run_mpi, run_processes
+from tests._support.dist_utils import run_mpi, run_processes
+from tests._support.ranks import RankRunner
+from tests.test_example import RUN_TIMEOUT, SCRIPT, _check_output, _load_example
 
 WS = 2
 SHAPE = (8, 6)  # compressed at rank 2 with min_compression_rate 1: 48 > (8 + 6) * 2

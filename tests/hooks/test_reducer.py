@@ -19,7 +19,20 @@ from unittest.mock import PropertyMock, patch
 import numpy as np
 import pytest
 import torch
-from mpi_scripts.reducer_common import (
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradcomm
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
+from gradcomm.hooks import GradientReducer, apply_gradient_allreduce
+from gradcomm.hooks._structure import StructureWatch
+from gradcomm.hooks.reducer import (
+    default_predivide_factor,
+    resolve_first_bucket_cap_mb,
+    resolve_in_place_min_mb,
+)
+
+from tests._support.reducer_common import (
     ComplexNet,
     batch,
     complex_batch,
@@ -33,18 +46,6 @@ from mpi_scripts.reducer_common import (
     make_model,
     reference_grads,
     seeded,
-)
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-import gradcomm
-from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
-from gradcomm.hooks import GradientReducer, apply_gradient_allreduce
-from gradcomm.hooks._structure import StructureWatch
-from gradcomm.hooks.reducer import (
-    default_predivide_factor,
-    resolve_first_bucket_cap_mb,
-    resolve_in_place_min_mb,
 )
 
 

@@ -9,8 +9,8 @@ that all ranks hold bit-identical gradients.
 
 from __future__ import annotations
 
-import reducer_cases as rc
-from ranks import RankRunner
+from tests._support import reducer_cases as rc
+from tests._support.ranks import RankRunner
 
 CASES = ["no_sync", "several_backwards", "checkpointing", "raised_on_one_rank"]
 RUNS: rc.Runs = [("threads", 2, CASES), ("threads", 3, CASES), ("gloo", 2, CASES),

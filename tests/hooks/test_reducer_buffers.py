@@ -6,10 +6,11 @@ parameter, zero-size parameter), on every backend and at world size 1.
 from __future__ import annotations
 
 import pytest
-import reducer_cases as rc
-from ranks import RankRunner
 
 import gradcomm
+
+from tests._support import reducer_cases as rc
+from tests._support.ranks import RankRunner
 
 CASES = ["buffers", "degenerate"]
 RUNS: rc.Runs = [("threads", 2, CASES), ("threads", 3, CASES), ("gloo", 2, CASES),

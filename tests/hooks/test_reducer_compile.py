@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from mpi_scripts.reducer_common import (
+
+import gradcomm
+from gradcomm.hooks import GradientReducer
+
+from tests._support.dist_utils import run_processes
+from tests._support.reducer_common import (
     batch,
     eval_bn,
     global_batch,
@@ -20,11 +25,6 @@ from mpi_scripts.reducer_common import (
     loss_fn,
     make_model,
 )
-
-import gradcomm
-from gradcomm.hooks import GradientReducer
-
-from dist_utils import run_processes
 
 STEPS = 2
 WHEN = ("before", "after")

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from mpi_scripts.reducer_common import (
+from torch import nn
+
+import gradcomm
+from gradcomm.hooks import GradientReducer
+
+from tests._support.dist_utils import run_processes
+from tests._support.reducer_common import (
     ComplexNet,
     batch,
     complex_batch,
@@ -27,12 +33,6 @@ from mpi_scripts.reducer_common import (
     reference_grads,
     ulp_distance,
 )
-from torch import nn
-
-import gradcomm
-from gradcomm.hooks import GradientReducer
-
-from dist_utils import run_processes
 
 
 def half_grad(rank: int, dtype: torch.dtype) -> torch.Tensor:

@@ -6,9 +6,16 @@ from __future__ import annotations
 import os
 
 import pytest
-import ranks
 import torch
-from mpi_scripts.reducer_common import (
+
+import gradcomm
+from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.hooks import GradientReducer
+
+from tests._support import ranks
+from tests._support.p2p_split_checks import expect_error
+from tests._support.ranks import RankRunner
+from tests._support.reducer_common import (
     batch,
     eval_bn,
     flat_grads,
@@ -18,12 +25,6 @@ from mpi_scripts.reducer_common import (
     make_model,
     reference_grads,
 )
-from p2p_split_checks import expect_error
-from ranks import RankRunner
-
-import gradcomm
-from gradcomm.comm.backends.threads import ThreadGroup
-from gradcomm.hooks import GradientReducer
 
 
 def _grads(comm: gradcomm.Communicator, hierarchical: bool) -> torch.Tensor:

@@ -9,16 +9,16 @@ gloo run and an 8-rank thread run check that averages of 1e-7 do not underflow t
 from __future__ import annotations
 
 import pytest
-import reducer_cases as rc
 import torch
-from ranks import RankRunner
 from torch import nn
 
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer
 
-from dist_utils import run_processes
+from tests._support import reducer_cases as rc
+from tests._support.dist_utils import run_processes
+from tests._support.ranks import RankRunner
 
 CASES = ["layouts", "sparse_and_int", "half"]
 # 3 ranks: the fp32 upcast path of half precision (the thread backend, a test double, has none)

@@ -7,8 +7,8 @@ test checks one case's values or exact errors against single-process references.
 
 from __future__ import annotations
 
-import reducer_cases as rc
-from ranks import RankRunner
+from tests._support import reducer_cases as rc
+from tests._support.ranks import RankRunner
 
 CASES = ["fingerprint", "tied", "replaced"]
 RUNS: rc.Runs = [("threads", 2, CASES), ("threads", 3, CASES), ("gloo", 2, CASES),

@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-import ranks
-from mpi_scripts.reducer_grads import reducer_values
 
-from dist_utils import TESTS_DIR, run_mpi
+from tests._support import ranks
+from tests._support.dist_utils import MPI_SCRIPTS, run_mpi
+from tests._support.reducer_grads import reducer_values
 
 # At 3 ranks the case holds on mpi only: the thread backend (a test double) sums float16 in
 # float16, more than the one ulp the case allows from the float32 reference, and gloo's ring adds
@@ -37,7 +37,7 @@ def test_a_step_that_timed_out_is_never_followed_by_silent_success(
 ) -> None:
     # On MPI a late rank completes the collective that timed out on its peer, so without the
     # reducer's refusal the two ranks would go on one step apart, averaging different steps.
-    proc = run_mpi(TESTS_DIR / "mpi_scripts" / "reducer_late_step.py", 2,
+    proc = run_mpi(MPI_SCRIPTS / "reducer_late_step.py", 2,
                    [backend, str(tmp_path)], timeout=90)
     got = dict(re.findall(r"RESULT late rank=(\d) steps=(\S+)", proc.stdout))
     assert sorted(got) == ["0", "1"], proc.stdout

@@ -26,12 +26,11 @@ import time
 
 import pytest
 
-from dist_utils import REPO_ROOT, TESTS_DIR, free_port, popen_rank, run_mpi
+from tests._support.dist_utils import MPI_SCRIPTS, child_env, free_port, popen_rank, run_mpi
 
-SCRIPT = TESTS_DIR / "mpi_scripts" / "failure_kill.py"
+SCRIPT = MPI_SCRIPTS / "failure_kill.py"
 TIMEOUT = 4.0  # the collective timeout given to gradcomm, seconds
 MARGIN = 30.0  # generous: start-up and scheduling on a shared 2-core machine
-PYTHONPATH = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), str(TESTS_DIR / "mpi_scripts")])
 
 
 def _records(output: str, prefix: str) -> list[dict[str, str]]:
@@ -57,10 +56,10 @@ def _run_torchrun_like(world_size: int, args: list[str], env: dict[str, str],
     port = free_port()
     procs = []
     for rank in range(world_size):
-        full = {**os.environ, "PYTHONPATH": PYTHONPATH, "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                "OMP_NUM_THREADS": "1", "GRADCOMM_BACKEND": "gloo", **env}
+        full = child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                          "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                          "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                          "OMP_NUM_THREADS": "1", "GRADCOMM_BACKEND": "gloo", **env})
         procs.append(popen_rank([sys.executable, str(SCRIPT), *args], env=full,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True))
@@ -123,7 +122,7 @@ def test_gloo_rank_fails_mid_backward(mode: str, source: str) -> None:
 @pytest.mark.parametrize(("mode", "source"), [("kill", "env"), ("raise", "env"), ("stall", "arg")])
 def test_mpi_rank_fails_mid_backward_ends_the_job(mode: str, source: str) -> None:
     world_size = 3
-    env = {"GRADCOMM_BACKEND": "mpi", "PYTHONPATH": PYTHONPATH}
+    env = {"GRADCOMM_BACKEND": "mpi"}
     if source == "env":
         env["GRADCOMM_TIMEOUT"] = str(TIMEOUT)
     proc = run_mpi(SCRIPT, world_size, [mode, source, str(TIMEOUT)], timeout=150, env=env,

@@ -11,14 +11,14 @@ import re
 from pathlib import Path
 
 import pytest
-import ranks
-import sharded_checks as sc
 import torch
-from ranks import RankRunner
 
 import gradcomm
 
-from dist_utils import REPO_ROOT, run_mpi
+from tests._support import ranks
+from tests._support import sharded_checks as sc
+from tests._support.dist_utils import REPO_ROOT, run_mpi
+from tests._support.ranks import RankRunner
 
 STEPS, MORE = 3, 3
 

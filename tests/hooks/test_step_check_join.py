@@ -11,9 +11,9 @@ one rank gives the single-process reference gradients and final parameters.
 
 from __future__ import annotations
 
-import reducer_cases as rc
-import step_join_cases as sj
-from ranks import RankRunner
+from tests._support import reducer_cases as rc
+from tests._support import step_join_cases as sj
+from tests._support.ranks import RankRunner
 
 CASES = list(sj.CASES)
 RUNS: rc.Runs = [(backend, world, CASES) for backend in ("threads", "gloo", "mpi")

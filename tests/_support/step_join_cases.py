@@ -14,13 +14,14 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import reducer_cases as rc
 import torch
 from torch import nn
 
 import gradcomm
 from gradcomm.hooks import GradientReducer, PowerSGDState
 from gradcomm.hooks._autograd import STALE_GRAPH
+
+from tests._support import reducer_cases as rc
 
 Result = Any
 Problems = list[str]

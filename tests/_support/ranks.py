@@ -16,7 +16,6 @@ backends parametrises ``comm_runner`` indirectly with some of them.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 import gradcomm
 from gradcomm.comm.backends.threads import ThreadGroup
 
-from dist_utils import REPO_ROOT, TESTS_DIR, run_mpi, run_processes
+from tests._support.dist_utils import MPI_SCRIPTS, run_mpi, run_processes
 
 THREADS = pytest.param("threads", id="threads")
 GLOO = pytest.param("gloo", marks=[pytest.mark.slow, pytest.mark.multiprocess], id="gloo")
@@ -36,7 +35,7 @@ MPI = pytest.param("mpi", marks=[pytest.mark.slow, pytest.mark.mpi], id="mpi")
 #: Every backend a case runs on, with the markers its launches need.
 BACKENDS = [THREADS, GLOO, MPI]
 
-_MPI_SCRIPT = TESTS_DIR / "mpi_scripts" / "on_ranks.py"
+_MPI_SCRIPT = MPI_SCRIPTS / "on_ranks.py"
 
 
 def to_bytes(value: Any) -> bytes:
@@ -103,6 +102,5 @@ class RankRunner:
         job = self.workdir / f"mpi-case-{self._runs}"
         job.mkdir(parents=True)
         (job / "case.pkl").write_bytes(pickle.dumps((case, args, comm_timeout)))
-        paths = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)])
-        run_mpi(_MPI_SCRIPT, world_size, [str(job)], timeout=timeout, env={"PYTHONPATH": paths})
+        run_mpi(_MPI_SCRIPT, world_size, [str(job)], timeout=timeout)
         return [from_bytes((job / f"rank{r}.pt").read_bytes()) for r in range(world_size)]

@@ -20,14 +20,31 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parent
+SUPPORT_DIR = Path(__file__).resolve().parent
+TESTS_DIR = SUPPORT_DIR.parent
 REPO_ROOT = TESTS_DIR.parent
+#: Scripts run under ``mpiexec`` (``MPI_SCRIPTS``) and on simulated hosts (``MULTIHOST_SCRIPTS``).
+MPI_SCRIPTS = SUPPORT_DIR / "mpi_scripts"
+MULTIHOST_SCRIPTS = SUPPORT_DIR / "multihost_scripts"
+
+
+def child_env(env: Mapping[str, str] | None = None,
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a process a test starts: ``base`` (default: this process's) updated
+    with ``env``, and this checkout's root first on PYTHONPATH, so that the child imports this
+    checkout's ``gradcomm`` and the harness as ``tests._support...`` (scripts run by path, and
+    ``mpiexec``, ``torchrun`` or a simulated host start a Python that has no other way to find
+    them)."""
+    full = {**(os.environ if base is None else base), **(env or {})}
+    rest = [p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    full["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *rest])
+    return full
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -67,6 +84,13 @@ def free_port() -> int:
 #: What the running test has launched, in order: "mpi" (mpiexec) or "multiprocess" (spawned
 #: ranks, torchrun). conftest.py fails a test that launched a kind without carrying its marker.
 launches: list[str] = []
+
+
+def missing_markers(launched: Iterable[str], marked: Iterable[str]) -> list[str]:
+    """The markers a test that launched ``launched`` (``mpi``, ``multiprocess``) lacks: each
+    launch kind, and ``slow`` for any launch (the fast tier starts no process)."""
+    kinds = set(launched)
+    return sorted((kinds | {"slow"} if kinds else kinds) - set(marked))
 
 
 def note_launch(kind: str) -> None:
@@ -223,7 +247,7 @@ def plain_python(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -c script`` as a single process: no launcher's variables, ``gradcomm`` from
     this checkout. Output is captured; raises ``subprocess.TimeoutExpired`` after 60 s."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    full_env = child_env(env)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
                 "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID", "GRADCOMM_BACKEND"):
         full_env.pop(key, None)
@@ -278,8 +302,7 @@ def run_mpi(
     With ``check=True`` a non-zero exit fails the test and shows the job's output.
     """
     exe = require_mpi()
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    full_env.setdefault("PYTHONPATH", str(REPO_ROOT))
+    full_env = child_env({"OMP_NUM_THREADS": "1", **(env or {})})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)  # a torchrun-style variable would win over the MPI launcher's
     cmd = [exe, *_mpiexec_flags(exe), "-n", str(n), sys.executable, str(script), *args]

@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from reducer_common import batch, eval_bn, loss_fn, make_model
-
 import gradcomm
 from gradcomm.hooks import GradientReducer
+
+from tests._support.reducer_common import batch, eval_bn, loss_fn, make_model
 
 
 def main() -> None:

@@ -14,7 +14,12 @@ from __future__ import annotations
 import math
 
 import torch
-from mpi_scripts.reducer_common import (
+from torch import nn
+
+import gradcomm
+from gradcomm.hooks import GradientReducer
+
+from tests._support.reducer_common import (
     batch,
     eval_bn,
     flat_grads,
@@ -23,10 +28,6 @@ from mpi_scripts.reducer_common import (
     make_model,
     reference_grads,
 )
-from torch import nn
-
-import gradcomm
-from gradcomm.hooks import GradientReducer
 
 
 def identical_across_ranks(comm: gradcomm.Communicator, t: torch.Tensor) -> bool:

@@ -19,7 +19,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from mpi_scripts.reducer_common import (
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradcomm
+from gradcomm.hooks import GradientReducer
+
+from tests._support.reducer_common import (
     batch,
     eval_bn,
     flat_grads,
@@ -29,12 +35,7 @@ from mpi_scripts.reducer_common import (
     make_model,
     seeded,
 )
-from mpi_scripts.reducer_common import ulp_distance as ulps
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-import gradcomm
-from gradcomm.hooks import GradientReducer
+from tests._support.reducer_common import ulp_distance as ulps
 
 Result = Any
 Problems = list[str]
@@ -909,8 +910,8 @@ def over_backends(runs: Runs, timeout: float = 240.0) -> Callable[[Any], Any]:
     (``comm_runner`` parametrised indirectly, each backend's markers carried; ids read
     ``gloo-2-no_sync``), within ``timeout`` seconds including the run it may start."""
     import pytest
-    import ranks
 
+    from tests._support import ranks
     marks = {"threads": ranks.THREADS.marks, "gloo": ranks.GLOO.marks, "mpi": ranks.MPI.marks}
     params = [pytest.param(b, world, case, marks=marks[b], id=f"{b}-{world}-{case}")
               for b, world, names in runs for case in names]

@@ -357,9 +357,9 @@ def device_adapters() -> list[object]:
     """Adapters that take an MPI communicator through its device-buffer path without a GPU:
     ``mpi_backend_staging.py``'s staged fake adapter, and the real ``DeviceBufferAdapter``
     staging through host memory."""
-    from mpi_scripts.mpi_backend_staging import FakeAdapter
-
     from gradcomm.comm.backends.mpi.device import DeviceBufferAdapter
+
+    from tests._support.mpi_scripts.mpi_backend_staging import FakeAdapter
 
     return [FakeAdapter(staged=True), DeviceBufferAdapter(False, synchronize=lambda: None)]
 

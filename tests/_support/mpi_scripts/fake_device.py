@@ -1,20 +1,19 @@
 """Run :func:`fake_device_checks.run_device_checks` on every rank of an MPI job.
 
-``mpiexec -n N python tests/mpi_scripts/fake_device.py``; prints one line per rank and exits 1
-(after every rank has printed) when anything differed between the CPU and the fake device.
+``mpiexec -n N python tests/_support/mpi_scripts/fake_device.py`` (the repository root on
+PYTHONPATH); prints one line per rank and exits 1 (after every rank has printed) when anything
+differed between the CPU and the fake device.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the harness modules
 
 import torch
-from fake_device_checks import run_device_checks
 
 import gradcomm
+
+from tests._support.fake_device_checks import run_device_checks
 
 torch.set_num_threads(1)
 with gradcomm.init("mpi", timeout=120) as comm:

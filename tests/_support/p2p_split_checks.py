@@ -229,7 +229,7 @@ def run_hierarchical_checks(comm: Communicator) -> int:
 def _mpi_checks(comm: Communicator) -> int:
     """MPI only: a shorter message is accepted by MPI and refused by the receive's count check;
     then the point-to-point checks through the device-buffer path without a GPU."""
-    from coll_cases import device_adapters
+    from tests._support.coll_cases import device_adapters
 
     checks = 0
     if comm.world_size > 1:

@@ -1,4 +1,5 @@
-"""The checks that need a GPU, as plain scripts: ``python tests/gpu_jobs.py JOB`` (no pytest).
+"""The checks that need a GPU, as plain scripts: ``python tests/_support/gpu_jobs.py JOB`` (no
+pytest; the repository root on PYTHONPATH, as ``scripts/gpu_check.sh`` sets it).
 
 ``scripts/gpu_check.sh`` runs each job under its own time budget, at one rank or under
 ``mpiexec -n 2`` / ``torch.distributed.run``; tests/comm/test_gpu.py runs some of them too. A job
@@ -19,12 +20,9 @@ import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_scripts"))
 
 import gradcomm
 from gradcomm import BackendUnavailableError, ReduceOp, SlowPathWarning
@@ -177,7 +175,7 @@ def _mpi_cuda(require_aware: bool) -> str:
 
 def _reducer_mpi_cuda() -> str:
     """The reducer on CUDA over MPI in every mode against the same run on the CPU."""
-    from reducer_common import batch, loss_fn, make_model
+    from tests._support.reducer_common import batch, loss_fn, make_model
 
     cases = {
         "overlap, many buckets": dict(bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005,

@@ -13,19 +13,20 @@ import math
 from typing import Any
 
 import torch
-from fake_device import (
+
+import gradcomm.profiler
+from gradcomm.bench.sweep import run_sweep
+from gradcomm.comm import Communicator, ReduceOp
+from gradcomm.hooks import GradientReducer
+
+from tests._support.fake_device import (
     FakeDeviceCommunicator,
     fake_device,
     to_cpu,
     to_fake,
     to_fake_module,
 )
-from mpi_scripts.reducer_common import batch, loss_fn, make_model
-
-import gradcomm.profiler
-from gradcomm.bench.sweep import run_sweep
-from gradcomm.comm import Communicator, ReduceOp
-from gradcomm.hooks import GradientReducer
+from tests._support.reducer_common import batch, loss_fn, make_model
 
 __all__ = ["CASES", "run_device_checks"]
 

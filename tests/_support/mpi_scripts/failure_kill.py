@@ -20,10 +20,11 @@ import sys
 import time
 
 import torch
-from reducer_common import batch, eval_bn, loss_fn, make_model
 
 import gradcomm
 from gradcomm.hooks import GradientReducer
+
+from tests._support.reducer_common import batch, eval_bn, loss_fn, make_model
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Run under ``mpiexec -n N`` by ``ranks.RankRunner``: one case function on every rank.
 
 Usage: ``python on_ranks.py JOB_DIR``. ``JOB_DIR/case.pkl`` holds ``(case, args, comm_timeout)``
-(the case pickled by module and name, so ``tests/`` must be on PYTHONPATH); every rank calls
-``case(comm, *args)`` over ``gradcomm.init("mpi")`` and writes ``torch.save`` of its result to
-``JOB_DIR/rank<r>.pt``. A rank that raises prints its traceback and aborts the whole job.
+(the case pickled by module and name, so the repository root must be on PYTHONPATH); every rank
+calls ``case(comm, *args)`` over ``gradcomm.init("mpi")`` and writes ``torch.save`` of its result
+to ``JOB_DIR/rank<r>.pt``. A rank that raises prints its traceback and aborts the whole job.
 """
 
 from __future__ import annotations

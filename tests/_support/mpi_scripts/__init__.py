@@ -1,0 +1,1 @@
+"""Scripts run under ``mpiexec`` (by path, the repository root on PYTHONPATH)."""

@@ -1,0 +1,1 @@
+"""Scripts run on the simulated hosts of :mod:`tests._support.netns_hosts`."""
