@@ -1,9 +1,9 @@
 """The collectives beyond all_reduce checked against a single-process torch reference.
 
 Each rank's input is a known function of (rank, case), so every rank computes the reference from
-all ranks' inputs itself. :func:`run_all` runs every case on one communicator and returns how
-many it checked; :func:`every_collective` is the case ``tests/comm/test_collectives.py`` runs on
-every backend through ``ranks.RankRunner``.
+all ranks' inputs itself. Each ``check_*`` function runs one collective's cases on one
+communicator and returns how many it checked (``tests/comm/suite_collectives.py`` runs them on
+every backend); :func:`run_all` runs them all.
 """
 
 from __future__ import annotations
@@ -350,35 +350,4 @@ def run_all(comm: Communicator, dtypes: list[torch.dtype]) -> dict[str, int]:
     counts["all_gather_uneven"] = check_all_gather_uneven(comm, dtypes)
     counts["objects"] = check_objects(comm)
     comm.barrier()
-    return counts
-
-
-def device_adapters() -> list[object]:
-    """Adapters that take an MPI communicator through its device-buffer path without a GPU:
-    ``mpi_backend_staging.py``'s staged fake adapter, and the real ``DeviceBufferAdapter``
-    staging through host memory."""
-    from gradcomm.comm.backends.mpi.device import DeviceBufferAdapter
-
-    from tests._support.mpi_scripts.mpi_backend_staging import FakeAdapter
-
-    return [FakeAdapter(staged=True), DeviceBufferAdapter(False, synchronize=lambda: None)]
-
-
-def every_collective(comm: Communicator, dtypes: list[torch.dtype]) -> dict[str, int]:
-    """:func:`run_all` over ``dtypes``; on the mpi backend, then again through the device-buffer
-    path (:func:`device_adapters`) on fewer dtypes, counted as ``device_path``."""
-    import warnings
-
-    from gradcomm import SlowPathWarning
-
-    counts = run_all(comm, dtypes)
-    if comm.backend == "mpi":
-        few = [torch.float32, torch.int32, torch.bfloat16]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SlowPathWarning)  # the staging path says it is slow
-            for adapter in device_adapters():
-                comm._adapter = adapter  # type: ignore[attr-defined]
-                counts["device_path"] = counts.get("device_path", 0) + sum(
-                    run_all(comm, few).values())
-        comm._adapter = None  # type: ignore[attr-defined]
     return counts

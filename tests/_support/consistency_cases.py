@@ -1,9 +1,9 @@
 """Cases of the cross-rank collective check (gradcomm.comm.consistency), for any backend.
 
 ``run_cases(comm, names)`` runs the named cases in order on every rank of one communicator and
-returns this rank's outcomes (a case function for ``ranks.RankRunner``, which
-``tests/comm/test_consistency_check.py`` runs on every backend); ``verify(name, outcomes,
-world_size)`` checks every rank's outcomes of one case (a list of problems; empty: passed).
+returns this rank's outcomes (``tests/comm/suite_consistency.py`` runs each on every backend);
+``verify(name, outcomes, world_size)`` checks every rank's outcomes of one case (a list of
+problems; empty: passed).
 
 Rank 1 is the odd one out in every mismatch case. A mismatch raises before any data moves, on
 every rank, at the same call, so the communicator stays in step and the next case can run.

@@ -1,7 +1,7 @@
-"""The MPI backend's checks beyond the conformance suite (tests/comm/test_communicator.py):
+"""The MPI backend's checks beyond the conformance suite (``tests/comm/suite_collectives.py``):
 every op on every dtype MPI reduces (8- and 16-bit integers, bool), 0-d and strided tensors, async
-half-precision scratch buffers, and half precision at sizes MPI splits. A case for
-``ranks.RankRunner("mpi")`` (tests/comm/test_mpi_backend.py).
+half-precision scratch buffers, and half precision at sizes MPI splits
+(``tests/comm/suite_collectives.py`` runs it on every MPI run).
 
 Each rank's input is a known function of (rank, dtype), so every rank computes the reference from
 all ranks' inputs itself; a wrong value raises AssertionError naming the case.
@@ -16,6 +16,9 @@ import gradcomm
 from gradcomm.comm.backends.mpi.communicator import MPICommunicator
 
 N = 37
+#: checks :func:`every_op_and_dtype` makes: 44 all-reduces (10 dtypes x 5 ops, no AVG of integers
+#: or bool), 2 odd shapes, 6 broadcasts, 4 all-gathers, a barrier, 3 async, 2 large half runs
+CHECKS = 62
 INT_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
 FLOAT_DTYPES = [torch.float32, torch.float64]
 HALF_DTYPES = [torch.float16, torch.bfloat16]

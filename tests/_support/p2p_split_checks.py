@@ -1,8 +1,8 @@
 """Point-to-point and split checks run on every rank of a real communicator (gloo, mpi, threads).
 
 Each rank's data is a known function of (rank, dtype, tag), so every rank computes what it must
-receive itself (a single-process torch reference). :func:`every_case` is the case
-``tests/comm/test_p2p_split.py`` runs on every backend through ``ranks.RankRunner``.
+receive itself (a single-process torch reference). ``tests/comm/suite_p2p_split.py`` and
+``suite_hierarchical.py`` run them on every backend; each returns the number of checks it made.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 
 from gradcomm.comm import Communicator, P2POp
 
-__all__ = ["run_p2p_checks", "run_split_checks", "expect_error", "every_case"]
+__all__ = ["run_p2p_checks", "run_split_checks", "run_hierarchical_checks", "mpi_checks",
+           "check_children_closed", "expect_error"]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8,
           torch.uint8, torch.bool]
@@ -226,10 +227,10 @@ def run_hierarchical_checks(comm: Communicator) -> int:
     return checks
 
 
-def _mpi_checks(comm: Communicator) -> int:
+def mpi_checks(comm: Communicator) -> int:
     """MPI only: a shorter message is accepted by MPI and refused by the receive's count check;
     then the point-to-point checks through the device-buffer path without a GPU."""
-    from tests._support.coll_cases import device_adapters
+    from tests._support.mpi_adapters import device_adapters
 
     checks = 0
     if comm.world_size > 1:
@@ -270,11 +271,3 @@ def _mpi_checks(comm: Communicator) -> int:
         checks += run_p2p_checks(comm)
     comm._adapter = None  # type: ignore[attr-defined]
     return checks
-
-
-def every_case(comm: Communicator) -> int:
-    """Every check on ``comm`` (on mpi also :func:`_mpi_checks`), closing it last; the count."""
-    checks = run_p2p_checks(comm) + run_split_checks(comm) + run_hierarchical_checks(comm)
-    if comm.backend == "mpi":
-        checks += _mpi_checks(comm)
-    return checks + check_children_closed(comm)

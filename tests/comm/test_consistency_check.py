@@ -1,7 +1,8 @@
 """The cross-rank collective check (gradcomm.comm.consistency): mismatched calls raise the same
 RuntimeError on every rank (in ``GRADCOMM_DEBUG=detail`` mode), and
-matching calls give the values they give without it. One run per backend (threads, spawned gloo,
-``mpiexec``) and world size runs every case of ``tests/consistency_cases.py``.
+matching calls give the values they give without it. Every case of
+``tests/_support/consistency_cases.py`` on every backend is the module tier's
+(``tests/comm/suite_consistency.py``); here, the messages, the debug level and the reducer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from gradcomm.comm.consistency import DebugLevel, debug_level_from_env, mismatch
 from gradcomm.hooks import GradientReducer
 
 from tests._support import consistency_cases as cc
-from tests._support.ranks import RankRunner
 from tests._support.reducer_common import (
     batch,
     eval_bn,
@@ -27,23 +27,7 @@ from tests._support.reducer_common import (
     reference_grads,
 )
 
-NAMES = list(cc.CASES)
 
-
-def _problems(outcomes: list[list[cc.Outcome]], world_size: int) -> dict[str, list[str]]:
-    found = {name: cc.verify(name, [rank_out[i] for rank_out in outcomes], world_size)
-             for i, name in enumerate(NAMES)}
-    return {name: p for name, p in found.items() if p}
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_case(comm_runner: RankRunner, world_size: int) -> None:
-    outcomes = comm_runner(cc.run_cases, world_size, NAMES, timeout=200)
-    assert _problems(outcomes, world_size) == {}
-
-
-# ----------------------------------------------------------------------------- logic (threads)
 def test_message_is_exact_on_every_rank() -> None:
     group = ThreadGroup(2, timeout=20)
     outcomes = group.run(lambda comm: cc.run_cases(comm, ["dtype"]))

@@ -1,12 +1,12 @@
 """Where ``gradcomm.init`` must NOT run its MPI settings agreement (or must survive mpi4py being
-imported without MPI_Init), under an MPI launcher.
+imported without MPI_Init), under an MPI launcher, in a process of its own. (A process-local
+communicator on one rank, and a placement given on one rank only, are tests of the module tier:
+``tests/comm/suite_init.py``.)
 
 Usage: ``mpiexec -n N python init_without_agreement.py CASE``, except ``torchrun_inside``,
 which is started as ``mpiexec -n 1 torchrun --nproc-per-node 2 ... init_without_agreement.py
 torchrun_inside``. Prints ``RESULT noagree <case> rank=<r> <value>``.
 
-* ``local_only``: rank 0 alone builds a process-local communicator (``rank=0, world_size=1``);
-  the agreement on COMM_WORLD would wait forever for ranks that never call init.
 * ``torchrun_inside``: torchrun started by mpiexec; torchrun's variables win, and the workers,
   which MPI did not start, must not initialise MPI (PMI_Init fails there).
 * ``local_vs_global``: rank 1 builds a process-local communicator (an ``env`` without the
@@ -15,8 +15,6 @@ torchrun_inside``. Prints ``RESULT noagree <case> rank=<r> <value>``.
 * ``retry_after_timeout``: rank 1 arrives 4 s late; rank 0's check times out after 2 s, and its
   second ``init`` is refused (its first request is still pending; before, the retry paired with
   rank 1's late check and read garbage sizes); rank 1's check times out too.
-* ``explicit_on_one_rank BACKEND``: the last rank passes its (correct) rank and world size,
-  the others pass nothing: all take part in the settings check, and the job works.
 * ``info_first``: ``gradcomm.info.collect_info()`` (imports mpi4py without initialising MPI),
   then ``gradcomm.init("gloo")`` with a store address: the agreement initialises MPI itself.
 """
@@ -82,26 +80,7 @@ def main() -> None:
                 outcome = f"{type(exc).__name__}: {str(exc)[:60]}"
             print(f"RESULT noagree {case} rank={rank} t={seconds:g} {outcome}", flush=True)
         return
-    if case == "explicit_on_one_rank":  # valid placement given on the last rank only
-        last = os.environ["PMI_RANK"] == str(int(os.environ["PMI_SIZE"]) - 1)
-        size = int(os.environ["PMI_SIZE"])
-        placement = {"rank": int(os.environ["PMI_RANK"]), "world_size": size} if last else {}
-        with gradcomm.init(sys.argv[2], timeout=30, **placement) as comm:  # type: ignore[arg-type]
-            t = torch.full((2,), float(comm.rank + 1))
-            comm.all_reduce(t)
-            print(f"RESULT noagree {case} rank={comm.rank} {t.tolist()}", flush=True)
-        return
-    from mpi4py import MPI
-
-    rank = MPI.COMM_WORLD.Get_rank()
-    if case == "local_only" and rank == 0:
-        with gradcomm.init("gloo", rank=0, world_size=1, timeout=30) as comm:
-            t = torch.ones(2)
-            comm.all_reduce(t)
-            print(f"RESULT noagree {case} rank={rank} local {t.tolist()}", flush=True)
-    total = MPI.COMM_WORLD.allreduce(rank + 1)
-    print(f"RESULT noagree {case} rank={rank} {total}", flush=True)
-
+    raise SystemExit(f"unknown case {case!r}")
 
 if __name__ == "__main__":
     main()
