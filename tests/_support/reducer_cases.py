@@ -3,9 +3,8 @@ on all ranks' results.
 
 Each case is a pair ``run(comm) -> result`` (called on every rank, any backend) and
 ``verify(results, world_size) -> problems`` (called once, on the list of every rank's result, in
-rank order; an empty list means the case passed). The tests in ``tests/hooks/test_reducer_*.py``
-run them through ``ranks.RankRunner`` (:func:`over_backends` and :func:`results_of`), so every
-backend is held to the same values and errors.
+rank order; an empty list means the case passed). ``tests/hooks/suite_reducer.py`` runs them on
+every backend (the module tier), so every backend is held to the same values and errors.
 
 References are single-process computations on the global batch (all ranks' batches concatenated).
 """
@@ -890,52 +889,4 @@ def verify_case(name: str, results: list[dict[str, Result]], world_size: int,
                                                         world_size)
 
 
-def run_and_sync(comm: gradcomm.Communicator, names: list[str],
-                 cases: Cases | None = None) -> dict[str, Result]:
-    """:func:`run_cases`, then a barrier: no rank closes its communicator while a peer still
-    needs it. A case function for ``ranks.RankRunner`` (``cases`` travels by reference)."""
-    out = run_cases(comm, names, cases)
-    comm.barrier()
-    return out
-
-
-#: (backend, world size, case names): one run of ``run_and_sync`` on each backend and world size.
-Runs = list[tuple[str, int, list[str]]]
-
-_results: dict[tuple[str, int, tuple[str, ...], int], list[dict[str, Result]]] = {}
-
-
-def over_backends(runs: Runs, timeout: float = 240.0) -> Callable[[Any], Any]:
-    """Decorate a test ``(comm_runner, world_size, case)`` to run once per case of ``runs``
-    (``comm_runner`` parametrised indirectly, each backend's markers carried; ids read
-    ``gloo-2-no_sync``), within ``timeout`` seconds including the run it may start."""
-    import pytest
-
-    from tests._support import ranks
-    marks = {"threads": ranks.THREADS.marks, "gloo": ranks.GLOO.marks, "mpi": ranks.MPI.marks}
-    params = [pytest.param(b, world, case, marks=marks[b], id=f"{b}-{world}-{case}")
-              for b, world, names in runs for case in names]
-    parametrize = pytest.mark.parametrize(("comm_runner", "world_size", "case"), params,
-                                          indirect=["comm_runner"])
-
-    def decorate(test: Any) -> Any:
-        return pytest.mark.timeout(timeout)(parametrize(test))
-
-    return decorate
-
-
-def results_of(runner: Any, world_size: int, runs: Runs, timeout: float = 180.0,
-               cases: Cases | None = None, comm_timeout: float = 30.0) -> list[Any]:
-    """Every rank's :func:`run_and_sync` output for the run of ``runs`` (cases of ``cases``,
-    default :data:`CASES`) on ``runner``'s backend at ``world_size`` (rank order), run once and
-    kept for the other cases of that run."""
-    (names,) = [n for b, w, n in runs if (b, w) == (runner.backend, world_size)]
-    key = (runner.backend, world_size, tuple(names), id(cases))
-    if key not in _results:
-        _results[key] = runner(run_and_sync, world_size, names, cases, timeout=timeout,
-                               comm_timeout=comm_timeout)
-    return _results[key]
-
-
-__all__ = ["CASES", "Cases", "run_cases", "verify_case", "run_and_sync", "over_backends",
-           "results_of"]
+__all__ = ["CASES", "Cases", "run_cases", "verify_case"]

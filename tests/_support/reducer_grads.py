@@ -1,5 +1,5 @@
-"""GradientReducer values against one-process references, on every rank of any backend: a case
-for ``ranks.RankRunner`` (tests/hooks/test_reducer_mpi.py runs it on every backend).
+"""GradientReducer values against one-process references, on every rank of any backend
+(``tests/hooks/suite_reducer.py`` runs it on every backend).
 
 Checks, on every rank: gradients equal one process's gradients on the concatenated global batch
 (float32, 1e-6 of each tensor's max), are bit-identical across ranks, overlapped equal

@@ -1,4 +1,5 @@
-"""ShardedOptimizer checks, run on every backend by ``tests/hooks/test_sharded_optimizer.py``.
+"""ShardedOptimizer checks, run on gloo and mpi by ``tests/hooks/suite_sharded.py`` (the module
+tier) and by ``tests/hooks/test_sharded_optimizer.py``.
 
 Every step trains on one global batch of GLOBAL samples (a known function of the step), each rank
 taking its contiguous slice, so the averaged gradient -- and hence training -- is the same at any
@@ -291,11 +292,3 @@ def bad_input_cases(comm: gradcomm.Communicator) -> list[str]:
                             ValueError, "reduce-scatter"))
     reducer.remove()
     return out
-
-
-def sharded_cases(comm: gradcomm.Communicator, bad_inputs: bool) -> list[str]:
-    """:func:`value_cases`, :func:`grad_state_cases`, :func:`skipped_backward_cases`, then
-    :func:`bad_input_cases` if ``bad_inputs``: a case function for ``ranks.RankRunner``; the
-    names of the cases done."""
-    return (value_cases(comm) + grad_state_cases(comm) + skipped_backward_cases(comm)
-            + (bad_input_cases(comm) if bad_inputs else []))

@@ -2,8 +2,7 @@
 
 As in ``reducer_cases``: each case is ``run(comm) -> result`` (every rank) and
 ``verify(results, world_size) -> problems`` (once, on every rank's result in rank order);
-``tests/hooks/test_step_check_join.py`` runs them through ``ranks.RankRunner`` with
-``reducer_cases``' runners, given this module's :data:`CASES`.
+``tests/hooks/suite_step_join.py`` runs them on every backend, given this module's :data:`CASES`.
 
 References are single-process computations: the mean over ranks of each rank's local gradient
 (every rank's batch has the same size, so this is the gradient of the global batch).

@@ -1,6 +1,7 @@
 """The PowerSGD comm hook: against a numpy reference of the algorithm (P, Q and the error memory
-after each step), selection by name, plain all-reduce before ``start_powerSGD_iter``, and real
-processes (gloo, mpi) and thread ranks that end bit-identical.
+after each step), selection by name, plain all-reduce before ``start_powerSGD_iter``, and the
+example trained with it under mpiexec (mpi and gloo). Ranks that end bit-identical on every
+backend are the module tier's (``tests/hooks/suite_powersgd.py``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer, PowerSGDState, powersgd_hook
 
-from tests._support.dist_utils import run_mpi, run_processes
-from tests._support.ranks import RankRunner
-from tests.test_example import RUN_TIMEOUT, SCRIPT, _check_output, _load_example
+from tests._support.dist_utils import run_mpi
+from tests.test_example import RUN_TIMEOUT, SCRIPT, _check_output
 
 WS = 2
 SHAPE = (8, 6)  # compressed at rank 2 with min_compression_rate 1: 48 > (8 + 6) * 2
@@ -188,44 +188,6 @@ def test_bad_options() -> None:
         PowerSGDState("gloo")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="PowerSGDState"):
         powersgd_hook(comm, None)  # type: ignore[arg-type]
-
-
-# ----------------------------------------------------------------------------- real processes
-def _train(comm: gradcomm.Communicator) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)  # thread ranks share this generator: the reducer's broadcast evens it
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-    reducer = GradientReducer(model, comm, bucket_cap_mb=0.005, first_bucket_cap_mb=0.005)
-    reducer.register_comm_hook("powersgd", state=PowerSGDState(
-        comm, matrix_approximation_rank=2, start_powerSGD_iter=2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(5):
-        opt.zero_grad()
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    reducer.remove()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-@pytest.mark.timeout(120)
-def test_ranks_end_bit_identical(comm_runner: RankRunner) -> None:
-    out = comm_runner(_train, 2, timeout=100)
-    for name, value in out[0].items():
-        assert torch.isfinite(value).all(), name
-        assert torch.equal(value, out[1][name]), name
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT + 30)
-def test_digits_example_with_powersgd_on_gloo() -> None:
-    out = run_processes(_digits, 2, timeout=RUN_TIMEOUT)
-    assert out == [0, 0]
-
-
-def _digits(rank: int, world_size: int) -> int:
-    return int(_load_example().main(["--comm-hook", "powersgd", "--log-level", "WARNING"]))
 
 
 @pytest.mark.mpi

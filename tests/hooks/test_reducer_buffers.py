@@ -1,6 +1,6 @@
-"""Module state and degenerate models: buffers (``broadcast_buffers``, int64 counters, modules
-with no buffers, empty modules, non-tensor state) and degenerate models (empty, no trainable
-parameter, zero-size parameter), on every backend and at world size 1.
+"""Module state and degenerate models at world size 1 on gloo: every case that means something
+with one rank runs without a collective. (On every backend at 1-3 ranks, ``buffers`` and
+``degenerate`` are the module tier's: ``tests/hooks/suite_reducer.py``.)
 """
 
 from __future__ import annotations
@@ -10,18 +10,6 @@ import pytest
 import gradcomm
 
 from tests._support import reducer_cases as rc
-from tests._support.ranks import RankRunner
-
-CASES = ["buffers", "degenerate"]
-RUNS: rc.Runs = [("threads", 2, CASES), ("threads", 3, CASES), ("gloo", 2, CASES),
-                 ("mpi", 2, CASES), ("mpi", 1, CASES)]
-
-
-@rc.over_backends(RUNS)
-def test_case(comm_runner: RankRunner, world_size: int, case: str) -> None:
-    results = rc.results_of(comm_runner, world_size, RUNS)
-    assert rc.verify_case(case, results, world_size) == []
-
 
 # Cases that mean something with one rank (a fingerprint cannot differ from itself).
 SINGLE = ["no_sync", "several_backwards", "checkpointing", "tied", "layouts", "half", "buffers",

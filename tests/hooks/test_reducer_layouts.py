@@ -2,8 +2,9 @@
 gradients, integer ``ReduceOp.AVG``, and half precision (fp16 sums that would overflow, averages
 that would underflow, bf16 against references).
 
-Each case of ``reducer_cases`` runs once per backend and world size (``ranks.RankRunner``); a 4-rank
-gloo run and an 8-rank thread run check that averages of 1e-7 do not underflow to zero.
+The cases ``layouts``, ``sparse_and_int`` and ``half`` of ``reducer_cases`` on every backend are the
+module tier's (``tests/hooks/suite_reducer.py``); here, a 4-rank gloo run and an 8-rank thread
+run check that averages of 1e-7 do not underflow to zero and a float16 sum does not overflow.
 """
 
 from __future__ import annotations
@@ -16,21 +17,7 @@ import gradcomm
 from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
 from gradcomm.hooks import GradientReducer
 
-from tests._support import reducer_cases as rc
 from tests._support.dist_utils import run_processes
-from tests._support.ranks import RankRunner
-
-CASES = ["layouts", "sparse_and_int", "half"]
-# 3 ranks: the fp32 upcast path of half precision (the thread backend, a test double, has none)
-RUNS: rc.Runs = [("threads", 2, CASES), ("threads", 3, ["layouts", "sparse_and_int"]),
-                 ("gloo", 2, CASES), ("mpi", 2, CASES), ("mpi", 3, ["half", "sparse_and_int"]),
-                 ("mpi", 1, ["half"])]
-
-
-@rc.over_backends(RUNS)
-def test_case(comm_runner: RankRunner, world_size: int, case: str) -> None:
-    results = rc.results_of(comm_runner, world_size, RUNS)
-    assert rc.verify_case(case, results, world_size) == []
 
 
 def _tiny_average(comm: gradcomm.Communicator) -> list[torch.Tensor]:

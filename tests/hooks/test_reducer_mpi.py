@@ -1,5 +1,6 @@
-"""GradientReducer against one-process references on every backend, and a step that timed out
-under real ``mpiexec``."""
+"""A reducer step that timed out under real ``mpiexec`` is never followed by silent success. (The
+reducer's values against one-process references on every backend are the module tier's:
+``tests/hooks/suite_reducer.py``.)"""
 
 from __future__ import annotations
 
@@ -8,25 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import ranks
 from tests._support.dist_utils import MPI_SCRIPTS, run_mpi
-from tests._support.reducer_grads import reducer_values
-
-# At 3 ranks the case holds on mpi only: the thread backend (a test double) sums float16 in
-# float16, more than the one ulp the case allows from the float32 reference, and gloo's ring adds
-# three ranks' values in an order that depends on where an element lies in the buffer, so
-# gradients reduced in buckets and in place differ in rounding (the bit-for-bit check). Two values
-# add exactly alike in either order.
-RUNS = [pytest.param(*p.values, n, marks=p.marks, id=f"{p.values[0]}-{n}")
-        for p, worlds in ((ranks.THREADS, (1, 2)), (ranks.GLOO, (2,)), (ranks.MPI, (1, 2, 3)))
-        for n in worlds]
-
-
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize(("comm_runner", "n"), RUNS, indirect=["comm_runner"])
-def test_reducer_matches_reference(comm_runner: ranks.RankRunner, n: int) -> None:
-    got = comm_runner(reducer_values, n, timeout=150)
-    assert got == [(r, n, comm_runner.backend) for r in range(n)]
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""ShardedOptimizer (ZeRO stages 1 and 2) on thread ranks, real gloo process groups (spawned) and
-under mpiexec: parameters equal unsharded training, checkpoints reshard across world sizes, bad
-input raises on every rank. One run per backend and world size runs many cases (see
-tests/sharded_checks.py).
+"""ShardedOptimizer (ZeRO stages 1 and 2): checkpoints reshard across world sizes (spawned gloo
+groups and thread ranks), the example trains sharded under mpiexec, and state and options on
+thread ranks. Parameters equal to unsharded training, gradient state and bad input on gloo and
+mpi are the module tier's (``tests/hooks/suite_sharded.py``, cases in
+``tests/_support/sharded_checks.py``).
 """
 
 from __future__ import annotations
@@ -21,23 +22,6 @@ from tests._support.dist_utils import REPO_ROOT, run_mpi
 from tests._support.ranks import RankRunner
 
 STEPS, MORE = 3, 3
-
-
-# the full case list takes about a minute on thread ranks on 2 busy cores: slow there too
-_MARKS = {"threads": [pytest.mark.slow], "gloo": ranks.GLOO.marks, "mpi": ranks.MPI.marks}
-# bad inputs on gloo at 2 ranks only: they do not depend on the world size
-_RUNS = [("threads", 3)] + [(b, n) for b in ("gloo", "mpi") for n in (2, 3, 4)]
-
-
-@pytest.mark.timeout(330)
-@pytest.mark.parametrize(("comm_runner", "n"),
-                         [pytest.param(b, n, marks=_MARKS[b], id=f"{b}-{n}") for b, n in _RUNS],
-                         indirect=["comm_runner"])
-def test_sharded_equals_unsharded(comm_runner: RankRunner, n: int) -> None:
-    bad_inputs = comm_runner.backend != "gloo" or n == 2
-    out = comm_runner(sc.sharded_cases, n, bad_inputs, timeout=300)
-    assert all(len(o) == len(out[0]) for o in out), out
-    assert len(out[0]) == 10 + 10 + 2 + (6 if bad_inputs else 0), out[0]
 
 
 def _save(comm: gradcomm.Communicator, folder: str) -> None:

@@ -1,0 +1,27 @@
+"""The module tier of ``tests/hooks``: the rank-agnostic suite modules, one launch per backend and
+world size (:mod:`tests._support.rank_suite`), every test one pytest item per run.
+
+``threads`` ranks run in this process (the fast tier); ``gloo`` at 2 and 3 ranks is one spawned
+group each, ``mpi`` at 1, 2 and 3 ranks one ``mpiexec`` each. Each suite test lists the runs it
+holds on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._support import rank_suite
+from tests.hooks import suite_powersgd, suite_reducer, suite_sharded, suite_step_join
+
+SUITE = rank_suite.Suite(
+    [suite_reducer, suite_step_join, suite_sharded, suite_powersgd],
+    rank_suite.runs("threads-1", "threads-2", "threads-3", "gloo-2", "gloo-3", "mpi-1", "mpi-2",
+                    "mpi-3"),
+    timeout=420, comm_timeout=60)
+
+
+@pytest.mark.timeout(SUITE.item_timeout)
+@pytest.mark.parametrize(("run", "test_id"), SUITE.params())
+def test_rank_suite(run: rank_suite.Run, test_id: str,
+                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    SUITE.check(run, test_id, tmp_path_factory)
