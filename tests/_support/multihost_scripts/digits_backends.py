@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "train_digits.py"  # from the root
 
 
 def main() -> int:
