@@ -11,8 +11,8 @@ torchrun_inside``. Prints ``RESULT noagree <case> rank=<r> <value>``.
   which MPI did not start, must not initialise MPI (PMI_Init fails there).
 * ``local_vs_global``: rank 1 builds a process-local communicator (an ``env`` without the
   launcher's variables) while rank 0 builds a job-wide one: rank 0 raises CollectiveTimeoutError
-  after its 3 s timeout instead of waiting forever.
-* ``retry_after_timeout``: rank 1 arrives 4 s late; rank 0's check times out after 2 s, and its
+  after its 1.5 s timeout instead of waiting forever.
+* ``retry_after_timeout``: rank 1 arrives 3 s late; rank 0's check times out after 1 s, and its
   second ``init`` is refused (its first request is still pending; before, the retry paired with
   rank 1's late check and read garbage sizes); rank 1's check times out too.
 * ``info_first``: ``gradcomm.info.collect_info()`` (imports mpi4py without initialising MPI),
@@ -57,21 +57,21 @@ def main() -> None:
             if rank == 1:
                 comm = gradcomm.init(env={"GRADCOMM_BACKEND": "gloo"})
             else:
-                comm = gradcomm.init("gloo", timeout=3)
+                comm = gradcomm.init("gloo", timeout=1.5)
             print(f"RESULT noagree {case} rank={rank} world={comm.world_size}", flush=True)
             comm.close()
         except Exception as exc:  # noqa: BLE001 - the test checks type and message
             print(f"RESULT noagree {case} rank={rank} {type(exc).__name__}: {exc}", flush=True)
         if rank == 1:
-            time.sleep(6)  # stay until rank 0's timeout has fired
+            time.sleep(3)  # stay until rank 0's timeout has fired
         return
     if case == "retry_after_timeout":  # rank 1 is late; rank 0 times out, then tries again
         from mpi4py import MPI
 
         rank = MPI.COMM_WORLD.Get_rank()
-        attempts = [2.0, 10.0] if rank == 0 else [3.0]
+        attempts = [1.0, 10.0] if rank == 0 else [1.0]
         if rank == 1:
-            time.sleep(4)
+            time.sleep(3)
         for seconds in attempts:
             try:
                 gradcomm.init("gloo", timeout=seconds).close()
