@@ -29,7 +29,7 @@ import pytest
 from tests._support.dist_utils import MPI_SCRIPTS, child_env, free_port, popen_rank, run_mpi
 
 SCRIPT = MPI_SCRIPTS / "failure_kill.py"
-TIMEOUT = 4.0  # the collective timeout given to gradcomm, seconds
+TIMEOUT = 2.0  # the collective timeout given to gradcomm, seconds
 MARGIN = 30.0  # generous: start-up and scheduling on a shared 2-core machine
 
 
