@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,7 @@ def _load_example() -> Any:
     return module
 
 
-def _diverging_run(rank: int, world_size: int) -> int:
+def _diverging_run(rank: int) -> int:
     example = _load_example()
     honest = example.parameter_digest
 
@@ -123,39 +124,47 @@ def _diverging_run(rank: int, world_size: int) -> int:
     return int(example.main(["--epochs", "1", "--log-level", "WARNING"]))
 
 
+def _example_run(args: list[str]) -> Callable[[int], int]:
+    return lambda rank: int(_load_example().main(args))
+
+
+#: Runs of the example in one spawned group of two ranks, in turn, each with its own rendezvous
+#: port: name -> (the run on each rank, the exit status every rank must end with).
+SPAWNED_RUNS: dict[str, tuple[Callable[[int], int], int]] = {
+    # a rank whose parameters differ from the others' must not report success
+    "differing-parameters": (_diverging_run, 1),
+    # a run whose parameters went non-finite must not report success
+    "diverged-training": (_example_run(["--epochs", "2", "--log-level", "ERROR", "--lr", "50"]), 1),
+    # a global batch smaller than the world size would leave ranks with empty shards
+    "batch-smaller-than-world": (
+        _example_run(["--epochs", "2", "--log-level", "ERROR", "--batch-size", "1"]), 2),
+    "explicit-cpu-device": (
+        _example_run(["--epochs", "1", "--log-level", "WARNING", "--device", "cpu"]), 0),
+}
+
+
+def _spawned_runs(rank: int, world_size: int, ports: list[int]) -> dict[str, int]:
+    codes = {}
+    for (name, (run, _)), port in zip(SPAWNED_RUNS.items(), ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)  # a rendezvous of its own: the last one has ended
+        codes[name] = run(rank)
+    return codes
+
+
+@pytest.fixture(scope="module")
+def spawned_exit_codes() -> list[dict[str, int]]:
+    """Every rank's exit status of each of :data:`SPAWNED_RUNS` (one launch for them all)."""
+    ports = [free_port() for _ in SPAWNED_RUNS]
+    return run_processes(_spawned_runs, 2, ports, timeout=RUN_TIMEOUT)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_differing_parameters_exit_non_zero() -> None:
-    assert run_processes(_diverging_run, 2, timeout=RUN_TIMEOUT) == [1, 1]
-
-
-def _bad_training_run(rank: int, world_size: int, extra: list[str]) -> int:
-    return int(_load_example().main(["--epochs", "2", "--log-level", "ERROR", *extra]))
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    ("extra", "code"),
-    [(["--lr", "50"], 1), (["--batch-size", "1"], 2)],
-    ids=["diverged-training", "batch-smaller-than-world"],
-)
-def test_bad_training_setups_exit_non_zero(extra: list[str], code: int) -> None:
-    # A run whose parameters went non-finite must not report success; a global batch smaller
-    # than the world size would leave ranks with empty shards.
-    assert run_processes(_bad_training_run, 2, extra, timeout=RUN_TIMEOUT) == [code, code]
-
-
-# ----------------------------------------------------------------------------- --device
-def _device_run(rank: int, world_size: int, device: str) -> int:
-    return int(_load_example().main(["--epochs", "1", "--log-level", "WARNING",
-                                     "--device", device]))
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_explicit_cpu_device() -> None:
-    assert run_processes(_device_run, 2, "cpu", timeout=RUN_TIMEOUT) == [0, 0]
+@pytest.mark.parametrize("name", list(SPAWNED_RUNS))
+def test_spawned_runs_exit_with_their_status(name: str,
+                                             spawned_exit_codes: list[dict[str, int]]) -> None:
+    want = SPAWNED_RUNS[name][1]
+    assert [codes[name] for codes in spawned_exit_codes] == [want, want]
 
 
 @pytest.mark.slow
