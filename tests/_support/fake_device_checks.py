@@ -1,7 +1,7 @@
 """Per-rank checks of every layer on the fake device, against the same run on the CPU.
 
-:func:`run_device_checks` runs on every rank of a real CPU transport (gloo under
-:func:`dist_utils.run_processes`, mpi under ``mpiexec``: ``tests/mpi_scripts/fake_device.py``).
+:func:`run_device_checks` runs on every rank of a real CPU transport (gloo and mpi runs of the
+module tier: ``tests/comm/suite_fake_device.py``).
 Each case trains the same model twice with the same transport -- once on the CPU, once with every
 parameter, buffer and bucket on :data:`fake_device.FAKE` through a
 :class:`fake_device.FakeDeviceCommunicator` -- and returns what differs (empty: bit for bit equal).

@@ -528,14 +528,19 @@ def test_mpi_a_short_wait_times_out_and_the_collective_completes_later(comm: Com
     assert torch.equal(after, torch.ones(2)), after
 
 
+LATE = 0.25  # seconds rank 1 is late in each swap
+
+
 @rank_suite.only(_pending_run)
 def test_mpi_pending_collectives_keep_memory_swapped_out_of_their_tensors(comm: Communicator
                                                                           ) -> None:
-    """Rank 1 joins 0.5 s late; rank 0 replaces the memory of each tensor it handed to a pending
+    """Rank 1 joins 0.25 s late; rank 0 replaces the memory of each tensor it handed to a pending
     collective (``t.data = ...`` or ``t.set_(...)``). MPI still writes into the old memory, so
     the collective keeps that memory alive (not just the tensor object); the tensor's new memory
     stays untouched on these contiguous paths; a dropped work whose copy-back fails (the tensor
-    got smaller memory) logs a warning, and the next collectives run on every rank."""
+    got smaller memory) logs a warning, and the next collectives run on every rank. (Were rank 1
+    not late enough, a swap would follow completion and the check pass without testing: the
+    delay only has to outlast rank 0's few allocations.)"""
     r, n = comm.rank, comm.world_size
     comm.all_reduce(torch.ones(2))
     size = 1 << 18  # 1 MiB of float32: freed memory goes back to the allocator's pool
@@ -548,7 +553,7 @@ def test_mpi_pending_collectives_keep_memory_swapped_out_of_their_tensors(comm: 
     for name, start in cases:
         for how in ("data", "set_"):
             if r == 1:
-                time.sleep(0.5)  # rank 0's collective stays pending meanwhile
+                time.sleep(LATE)  # rank 0's collective stays pending meanwhile
             t = torch.full((size,), float(r + 1))
             handle = t if name != "all_reduce 2-D" else t.view(512, -1)
             work = start(t)
@@ -568,7 +573,7 @@ def test_mpi_pending_collectives_keep_memory_swapped_out_of_their_tensors(comm: 
                     f"{name} ({how}) wrote into the tensor's new memory"
     for how in ("data", "set_"):
         if r == 1:
-            time.sleep(0.5)
+            time.sleep(LATE)
         src = torch.full((size,), float(r))
         out = torch.empty(n * size)
         work = comm.all_gather(out, src, async_op=True)
@@ -595,7 +600,7 @@ def test_mpi_pending_collectives_keep_memory_swapped_out_of_their_tensors(comm: 
     logging.getLogger("gradcomm.comm").addHandler(keep)
     try:
         if r == 1:
-            time.sleep(0.5)
+            time.sleep(LATE)
         strided = torch.ones(8, 4)[:, ::2]
         comm.all_reduce(strided, async_op=True)  # Work dropped
         if r == 0:

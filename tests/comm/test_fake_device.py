@@ -1,25 +1,22 @@
 """Device correctness without a GPU: every layer on a fake device, bit for bit against the CPU.
 
-The harness (:mod:`fake_device`) is tested first: it must refuse what CUDA refuses, or the
-checks below could pass on code that mixes devices. Then the reducer (overlap, many buckets,
-bucket views, in-place buckets, fp16/bf16 compression), comm hooks, fingerprint and parameter
-broadcast, profiler and bench run on a fake-device communicator over real gloo (2 and 3
-spawned processes) and real MPI (``mpiexec -n 2`` and ``-n 3``).
+Here, the harness (:mod:`tests._support.fake_device`): it must refuse what CUDA refuses, or the
+checks could pass on code that mixes devices. The checks themselves -- the reducer (overlap, many
+buckets, bucket views, in-place buckets, fp16/bf16 compression), comm hooks, fingerprint and
+parameter broadcast, profiler and bench on a fake-device communicator over real gloo and MPI at
+2 and 3 ranks -- are the module tier's (``tests/comm/suite_fake_device.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
 from torch import nn
 
 import gradcomm
-from gradcomm.hooks import GradientReducer
 
-from tests._support.dist_utils import MPI_SCRIPTS, run_mpi, run_processes
 from tests._support.fake_device import (
     FAKE,
     FakeDeviceCommunicator,
@@ -29,7 +26,6 @@ from tests._support.fake_device import (
     to_fake,
     to_fake_module,
 )
-from tests._support.fake_device_checks import CASES, run_device_checks
 
 
 # ============================================================================ the harness itself
@@ -83,72 +79,3 @@ def test_fake_communicator_refuses_cpu_tensors_like_a_cuda_communicator() -> Non
         t = to_fake(torch.ones(2))
         comm.all_reduce(t)  # world_size 1: no collective, no error
         assert torch.equal(to_cpu(t), torch.ones(2))
-
-
-# ============================================================================ finding 1
-def _construct_on_fake(rank: int, world_size: int) -> list[str]:
-    with gradcomm.init("gloo", timeout=60) as inner, fake_device():
-        comm = FakeDeviceCommunicator(inner)
-        model = to_fake_module(nn.Linear(4, 3))
-        GradientReducer(model, comm, comm_hook="fp16_compress").remove()
-        return [str(p.device) for p in model.parameters()]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_reducer_builds_on_a_device_communicator_with_two_ranks() -> None:
-    # Before the fix the fingerprint's all-gather got CPU tensors: ValueError on every rank.
-    assert run_processes(_construct_on_fake, 2, timeout=90) == [["meta", "meta"]] * 2
-
-
-def _mismatch_on_fake(rank: int, world_size: int) -> str:
-    with gradcomm.init("gloo", timeout=60) as inner, fake_device():
-        comm = FakeDeviceCommunicator(inner)
-        model = to_fake_module(nn.Linear(4, 3 + (rank == 1)))  # rank 1's differs
-        try:
-            GradientReducer(model, comm)
-        except ValueError as exc:
-            return str(exc)
-        return "no error"
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_fingerprint_mismatch_is_found_on_a_device_communicator() -> None:
-    # The mismatch path's two extra all-gathers (hash table, descriptions) run on comm.device too.
-    texts = run_processes(_mismatch_on_fake, 2, timeout=90)
-    assert texts[0] == texts[1]  # every rank raises the same error
-    assert "differs across ranks at param weight: rank 0 has" in texts[0], texts[0]
-    assert "rank 0 has '(3, 4)'; rank 1 has '(4, 4)'" in texts[0], texts[0]
-
-
-# ============================================================================ every layer
-def _gloo_checks(rank: int, world_size: int) -> dict[str, list[str]]:
-    torch.set_num_threads(1)
-    with gradcomm.init("gloo", timeout=120) as comm:
-        return run_device_checks(comm)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_layer_on_the_fake_device_matches_cpu_over_gloo(world_size: int) -> None:
-    results = run_processes(_gloo_checks, world_size, timeout=360)
-    for rank, result in enumerate(results):
-        assert set(result) == {*CASES, "collectives", "bench"}
-        assert {k: v for k, v in result.items() if v} == {}, f"rank {rank}"
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_layer_on_the_fake_device_matches_cpu_over_mpi(world_size: int) -> None:
-    proc = run_mpi(MPI_SCRIPTS / "fake_device.py", world_size, timeout=360)
-    # Ranks print concurrently, so their lines may run together: search, do not split.
-    found = re.findall(r"fake-device rank (\d+): (\d+) checks, all equal", proc.stdout)
-    assert sorted(found) == [(str(r), str(len(CASES) + 2)) for r in range(world_size)], proc.stdout
-    assert "differs" not in proc.stdout, proc.stdout

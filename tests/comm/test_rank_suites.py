@@ -16,13 +16,15 @@ from tests._support import rank_suite
 from tests.comm import (
     suite_collectives,
     suite_consistency,
+    suite_fake_device,
     suite_hierarchical,
     suite_init,
     suite_p2p_split,
 )
 
 SUITE = rank_suite.Suite(
-    [suite_collectives, suite_p2p_split, suite_hierarchical, suite_consistency, suite_init],
+    [suite_collectives, suite_p2p_split, suite_hierarchical, suite_consistency, suite_init,
+     suite_fake_device],
     rank_suite.runs("threads-2", "threads-3", "gloo-1", "gloo-2", "gloo-3", "mpi-1", "mpi-2",
                     "mpi-3"),
     timeout=300)
