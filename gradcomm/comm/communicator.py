@@ -1016,6 +1016,23 @@ class Communicator(abc.ABC):
         if self.profiler is not None:
             self.profiler.communicator_closed()
 
+    def abort(self) -> None:
+        """End this communicator at once; callable from any thread (for fault tolerance, see
+        :mod:`gradcomm.elastic`).
+
+        A wait in progress on one of its works raises RuntimeError within about 0.1 s, later
+        collectives raise RuntimeError, and the transport's resources are released by
+        :meth:`close`, which may then block until the collectives still running in the transport
+        end (gloo cannot cancel them: they end when the peers close their connections, or at the
+        timeout). Idempotent. Use it to leave a group whose peer died or stalled; the
+        communicator cannot be used again.
+
+        Raises:
+            NotImplementedError: the backend cannot (mpi: MPI cannot leave a communicator whose
+                peer died; this base class).
+        """
+        raise NotImplementedError(f"the {self.backend} backend cannot abort a communicator")
+
     def __enter__(self) -> Communicator:
         return self
 

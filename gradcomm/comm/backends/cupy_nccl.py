@@ -460,6 +460,8 @@ class CupyNCCLCommunicator(Communicator):
     # ------------------------------------------------------------------ helpers
     def _live(self) -> Any:
         if self._comm is None:
+            if self._user_aborted:
+                raise RuntimeError("cupy-nccl communicator was aborted")
             raise RuntimeError("cupy-nccl communicator was aborted after a timed-out collective")
         return self._comm
 
@@ -467,9 +469,21 @@ class CupyNCCLCommunicator(Communicator):
         comm = self._comm
         if comm is not None:
             comm.check_async_error()  # raises cupy's NcclError (a RuntimeError)
+        elif self._user_aborted:  # abort() from another thread: end the waits polling here
+            raise RuntimeError("cupy-nccl communicator was aborted")
 
-    def _abort(self) -> None:
+    _user_aborted = False
+
+    def abort(self) -> None:
+        """End this communicator at once, from any thread: NCCL is aborted
+        (``ncclCommAbort``), a wait in progress raises RuntimeError at its next poll, and so
+        does every later collective (see :meth:`Communicator.abort`)."""
+        self._user_aborted = True
+        self._abort(timed_out=False)
+
+    def _abort(self, timed_out: bool = True) -> None:
         comm, self._comm = self._comm, None
         if comm is not None:
-            log.error("cupy-nccl rank %d: a collective timed out; aborting NCCL", self.rank)
+            if timed_out:
+                log.error("cupy-nccl rank %d: a collective timed out; aborting NCCL", self.rank)
             comm.abort()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -199,24 +200,29 @@ class NCCLWork(TorchWork):
     """
 
     def __init__(self, work: dist.Work, description: DescriptionLike, timeout: float | None,
-                 on_timeout: Callable[[], None]) -> None:
-        super().__init__(work, description, timeout)
+                 on_timeout: Callable[[], None],
+                 aborted: threading.Event | None = None) -> None:
+        super().__init__(work, description, timeout, aborted)
         self._on_nccl_timeout = on_timeout
-        self._aborted = False
+        self._timed_out = False
 
     def _wait(self, timeout: float | None) -> None:
-        if self._aborted:
+        if self._timed_out:
             raise RuntimeError(f"{self.description}: the NCCL process group was aborted")
-        poll_until_done(self._work.is_completed, timeout, self._expire,
+        poll_until_done(self._finished_or_aborted, timeout, self._expire,
                         f"{self.description}: NCCL collective still running")
-        super()._wait(None)  # done: the current stream waits for NCCL's; an error is raised
+        self._wait_once(None)  # done: the current stream waits for NCCL's; an error is raised
+
+    def _finished_or_aborted(self) -> bool:
+        self._check_aborted()  # NCCLCommunicator.abort() from another thread
+        return bool(self._work.is_completed())
 
     def _expire(self) -> None:
-        self._aborted = True
+        self._timed_out = True
         self._on_nccl_timeout()
 
     def _test(self) -> bool:
-        if self._aborted:
+        if self._timed_out:
             raise RuntimeError(f"{self.description} timed out and the NCCL process group was "
                                "aborted; make a new communicator")
         return super()._test()
@@ -279,7 +285,8 @@ class NCCLCommunicator(TorchDistCommunicator):
 
     @property
     def aborted(self) -> bool:
-        """True once a collective timed out and the NCCL process group was aborted."""
+        """True once the NCCL process group was aborted (a collective timed out, or
+        :meth:`abort`)."""
         return self._aborted
 
     _aborted = False
@@ -287,14 +294,22 @@ class NCCLCommunicator(TorchDistCommunicator):
     def _wrap(self, work: dist.Work | None, description: DescriptionLike) -> Work:
         if work is None:  # pragma: no cover - async_op=True always returns a Work
             raise RuntimeError(f"{description}: torch.distributed returned no Work")
-        return NCCLWork(work, description, self._timeout, self._abort)
+        return NCCLWork(work, description, self._timeout, self._abort, self._abort_flag)
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """End this communicator at once, from any thread: NCCL's kernels are aborted
+        (``ProcessGroupNCCL.abort()``), a wait in progress raises RuntimeError at its next poll,
+        and so does every later collective (see :meth:`Communicator.abort`)."""
+        super().abort()
+        self._abort(timed_out=False)
+
+    def _abort(self, timed_out: bool = True) -> None:
         group, self._group = self._group, None
         self._aborted = True
         if group is not None:
-            log.error("nccl rank %d: a collective timed out; aborting the NCCL process group",
-                      self.rank)
+            if timed_out:
+                log.error("nccl rank %d: a collective timed out; aborting the NCCL process group",
+                          self.rank)
             group.abort()  # ProcessGroupNCCL.abort(): public
 
     def _pg(self) -> dist.ProcessGroup:

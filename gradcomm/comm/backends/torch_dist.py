@@ -12,6 +12,8 @@ import atexit
 import datetime
 import functools
 import os
+import threading
+import time
 import weakref
 from typing import ClassVar
 
@@ -57,6 +59,12 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+#: Longest single wait on a torch Work, in seconds, on a communicator that can be aborted: gloo
+#: cannot interrupt a wait, so a longer one is cut into waits this long that each check whether
+#: :meth:`TorchDistCommunicator.abort` was called. A wait that ends sooner costs nothing more.
+ABORT_POLL_S = 0.1
+
+
 def _close_if_alive(ref: weakref.ref[Communicator]) -> None:
     comm = ref()
     if comm is not None:
@@ -65,19 +73,25 @@ def _close_if_alive(ref: weakref.ref[Communicator]) -> None:
 
 class TorchWork(Work):
     """Wraps a :class:`torch.distributed.Work`; its timeout errors become TimeoutError, and
-    :meth:`~Work.is_completed` raises the transport's error for a collective that failed."""
+    :meth:`~Work.is_completed` raises the transport's error for a collective that failed.
+
+    ``aborted`` (optional): the communicator's abort flag; while it is clear a wait is cut into
+    waits of at most :data:`ABORT_POLL_S`, and once set a wait or test raises RuntimeError.
+    """
 
     def __init__(
         self,
         work: dist.Work,
         description: DescriptionLike,
         timeout: float | None,
+        aborted: threading.Event | None = None,
     ) -> None:
         super().__init__(description, timeout)
         self._work = work
         # The process group's own timeout (the communicator's): it ends the collective then,
         # whatever a wait asks for.
         self._group_timeout = timeout
+        self._abort_flag = aborted
 
     def _limit(self, requested: float | None) -> float | None:
         cap = self._group_timeout
@@ -85,7 +99,29 @@ class TorchWork(Work):
             return requested
         return cap
 
+    def _check_aborted(self) -> None:
+        if self._abort_flag is not None and self._abort_flag.is_set():
+            raise RuntimeError(f"{self.description} failed: the communicator was aborted")
+
     def _wait(self, timeout: float | None) -> None:
+        if self._abort_flag is None:
+            self._wait_once(timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check_aborted()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"{self.description} did not complete within {timeout} s")
+            try:
+                self._wait_once(ABORT_POLL_S if left is None else min(ABORT_POLL_S, left))
+                return
+            except TimeoutError:
+                if self._work.is_completed():  # it failed by the group's own timeout
+                    raise
+                # else only this slice of the wait ended: check the flag and wait on
+
+    def _wait_once(self, timeout: float | None) -> None:
         try:
             if timeout is None:
                 self._work.wait()
@@ -101,9 +137,10 @@ class TorchWork(Work):
         # torch's is_completed() is also True for a collective that failed or timed out; its
         # wait() then raises at once, so a failure surfaces here instead of passing as done.
         if not self._work.is_completed():
+            self._check_aborted()
             return False
         try:
-            self._wait(None)
+            self._wait_once(None)
         except TimeoutError as exc:  # completed by the group's own timeout: it failed
             raise RuntimeError(f"{self.description} failed: {exc}") from exc
         return True
@@ -141,6 +178,7 @@ class TorchDistCommunicator(Communicator):
             timeout=timeout,
         )
         self.launch = launch
+        self._abort_flag = threading.Event()  # set by abort(), from any thread
         self._group: dist.ProcessGroup | None = None
         # The job's store: sub-communicators build their groups over it under a prefix.
         self._store: dist.Store | None = None
@@ -183,11 +221,13 @@ class TorchDistCommunicator(Communicator):
     def _wrap(self, work: dist.Work | None, description: DescriptionLike) -> Work:
         if work is None:  # pragma: no cover - async_op=True always returns a Work
             raise RuntimeError(f"{description}: torch.distributed returned no Work")
-        return TorchWork(work, description, self._timeout)
+        return TorchWork(work, description, self._timeout, self._abort_flag)
 
     # The process group's own methods: they need no registration in torch's default world
     # (the functional ``dist.broadcast`` refuses unregistered groups).
     def _pg(self) -> dist.ProcessGroup:
+        if self._abort_flag.is_set():
+            raise RuntimeError(f"{self.backend} communicator was aborted")
         if self._group is None:  # pragma: no cover - world_size 1 never reaches a collective
             raise RuntimeError(f"{self.backend} communicator has no process group")
         return self._group
@@ -275,6 +315,7 @@ class TorchDistCommunicator(Communicator):
                               local_rank=plan.local_rank, device=self.device,
                               timeout=self._timeout)
         child.launch = launch
+        child._abort_flag = threading.Event()
         child._group = None
         child._store = None
         child.bind_address, child.bind_interface = self.bind_address, self.bind_interface
@@ -285,6 +326,13 @@ class TorchDistCommunicator(Communicator):
             child._group = child._make_group(child._store, launch, self._timeout)
         child._register_close_at_exit()
         return child
+
+    def abort(self) -> None:
+        """End this communicator at once, from any thread (see :meth:`Communicator.abort`): a
+        wait in progress raises RuntimeError within :data:`ABORT_POLL_S` seconds, and so does
+        every later collective. gloo has no way to cancel a running collective, so its transport
+        is released only by :meth:`close`, which blocks until that collective ends."""
+        self._abort_flag.set()
 
     def _close(self) -> None:
         group, self._group = self._group, None
