@@ -28,6 +28,7 @@ import pickle
 import socket
 import weakref
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import ClassVar, NamedTuple
@@ -212,6 +213,8 @@ class SplitPlan:
         rank: this rank's index in ``members``.
         local_rank: index among the members on this rank's host.
         local_world_size: number of members on this rank's host.
+        kind: ``"split"``, or ``"subgroup"`` for :meth:`Communicator.subgroup` (then ``index``
+            counts the groups of these members and ``color`` is a hash of them).
     """
 
     index: int
@@ -220,11 +223,12 @@ class SplitPlan:
     rank: int
     local_rank: int
     local_world_size: int
+    kind: str = "split"
 
     @property
     def prefix(self) -> str:
-        """The store prefix of the new group: unique per split and color."""
-        return f"gradcomm/split{self.index}/color{self.color}/"
+        """The store prefix of the new group: unique per split (or subgroup) and color."""
+        return f"gradcomm/{self.kind}{self.index}/color{self.color}/"
 
 
 _Row = tuple[int, int, int, int, int]  # (color code, color, key code, key, host) of one rank
@@ -317,6 +321,7 @@ class Communicator(abc.ABC):
         self._seq = itertools.count()  # collectives, numbered alike on every rank
         self._p2p_seq = itertools.count()  # transfers, numbered apart (only two ranks see one)
         self._split_count = 0
+        self._subgroup_counts: dict[tuple[int, ...], int] = {}
         self._children: list[weakref.ref[Communicator]] = []
         # The helpers of the one path (_issue), composed.
         self._checks = TensorChecks(self.backend, self._device, f"rank {rank}/{world_size}",
@@ -466,6 +471,57 @@ class Communicator(abc.ABC):
         self._check_open()
         rows = self._exchange_split_args(color, key, host_key())
         return self._new_child(rows)
+
+    def subgroup(self, ranks: Sequence[int]) -> Communicator:
+        """A new communicator of ``ranks`` of this one, built by those ranks alone.
+
+        Not collective over this communicator (``MPI_Comm_create_group``, unlike :meth:`split`):
+        only the members call it, and members that make several groups of the same ranks make
+        them in the same order (torch's ``new_group`` calls a backend's group creator on the
+        members only). The child's local rank comes from one small all-gather on it.
+
+        Args:
+            ranks: distinct ranks of this communicator, in the new one's rank order; this rank
+                among them.
+
+        Returns:
+            The new communicator (``rank`` is this rank's index in ``ranks``); this
+            communicator's device and timeout, profiler None; closed when this one is.
+
+        Raises:
+            TypeError: ``ranks`` is not a sequence of ints.
+            ValueError: ``ranks`` is empty, repeats a rank, names one out of range, or lacks
+                this rank.
+            NotImplementedError: the backend cannot build a group on its members alone
+                (cupy-nccl).
+            RuntimeError: this communicator is closed.
+        """
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or any(
+                isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+            raise TypeError(f"subgroup: ranks must be a sequence of ints, got {ranks!r:.80}")
+        members = tuple(ranks)
+        if not members or len(set(members)) != len(members):
+            raise ValueError(f"subgroup: ranks must be distinct and not empty, got "
+                             f"{members!r:.80}")
+        if not all(0 <= r < self._world_size for r in members) or self._rank not in members:
+            raise ValueError(f"subgroup: ranks must lie in [0, {self._world_size}) and include "
+                             f"this rank {self._rank}, got {members!r:.80}")
+        self._check_open()
+        index = self._subgroup_counts.get(members, 0)
+        self._subgroup_counts[members] = index + 1
+        digest = hashlib.sha256(repr(members).encode()).digest()[:7]
+        rank = members.index(self._rank)
+        child = self._subgroup_child(SplitPlan(index, int.from_bytes(digest, "big"), members,
+                                               rank, rank, len(members), kind="subgroup"))
+        if child.world_size > 1:  # which members share this rank's host
+            mine = torch.tensor([host_key()], dtype=torch.int64, device=self._device)
+            hosts = torch.empty(child.world_size, dtype=torch.int64, device=self._device)
+            child.all_gather(hosts, mine)
+            keys = hosts.tolist()
+            same = [i for i, h in enumerate(keys) if h == keys[rank]]
+            child._set_local(same.index(rank), len(same))
+        self._children.append(weakref.ref(child))
+        return child
 
     def split_by_host(self, host: str | None = None) -> tuple[Communicator, Communicator]:
         """``(intra, inter)``: the ranks on this rank's host, and those of every host with this
@@ -1183,6 +1239,14 @@ class Communicator(abc.ABC):
             self._children.append(weakref.ref(child))
         return child
 
+    def _set_local(self, local_rank: int, local_world_size: int) -> None:
+        """Set this communicator's place on its host (a subgroup learns it once built)."""
+        self._local_rank = local_rank
+        launch = getattr(self, "launch", None)
+        if launch is not None:
+            self.launch = dataclasses.replace(launch, local_rank=local_rank,
+                                              local_world_size=local_world_size)
+
     # ================================================================== backend hooks
     # Each receives contiguous 1-D tensors the public method checked, on this communicator's
     # device, and returns a Work at once (completed or pending).
@@ -1291,6 +1355,12 @@ class Communicator(abc.ABC):
 
         Called on every rank of the parent, members or not, in the same order."""
         raise NotImplementedError(f"the {self.backend} backend cannot split")
+
+    def _subgroup_child(self, plan: SplitPlan) -> Communicator:
+        """Build this rank's communicator of ``plan`` (``kind="subgroup"``), called on the
+        members only; ``local_rank`` is set afterwards."""
+        raise NotImplementedError(f"the {self.backend} backend cannot build a group on its "
+                                  "members alone")
 
     @abc.abstractmethod
     def _close(self) -> None:

@@ -334,6 +334,14 @@ class TorchDistCommunicator(Communicator):
         is released only by :meth:`close`, which blocks until that collective ends."""
         self._abort_flag.set()
 
+    def _subgroup_child(self, plan: SplitPlan) -> TorchDistCommunicator:
+        """As :meth:`_split_child`, which the members already run alone (store prefix
+        ``plan.prefix``, unique per member list and count)."""
+        child = self._split_child(plan)
+        if child is None:  # pragma: no cover - a subgroup's plan always has a color
+            raise RuntimeError(f"{self.backend}: subgroup plan without members")
+        return child
+
     def _close(self) -> None:
         group, self._group = self._group, None
         atexit.unregister(self._close_at_exit)

@@ -7,6 +7,7 @@ rule: ``nccl`` when CUDA is available and registered as usable, else ``gloo``. T
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers

@@ -359,13 +359,39 @@ class MPICommunicator(Communicator):
         self._complete(split, False, None)
         if plan.color is None:
             return None
+        return self._child_over(plan, box[0])
+
+    def _subgroup_child(self, plan: SplitPlan) -> Communicator:
+        """``Comm.Create_group`` of the members (``MPI_Comm_create_group``: only they call it;
+        the tag tells apart successive groups of the same ranks), run in order on the progress
+        thread."""
+        comm = self.mpi_comm
+        box: list[MPIModule.Comm] = []
+
+        def create() -> None:
+            group = comm.Get_group()
+            members = group.Incl(list(plan.members))
+            group.Free()
+            try:
+                box.append(comm.Create_group(members, tag=plan.index % 32768))  # TAG_UB >= 32767
+            finally:
+                members.Free()
+
+        work = MPIWork(f"subgroup {list(plan.members)!r:.60} (mpi, rank {self.rank}/"
+                       f"{self.world_size})", self._timeout)
+        self._progress.submit(work, create)
+        self._complete(work, False, None)
+        return self._child_over(plan, box[0])
+
+    def _child_over(self, plan: SplitPlan, comm: MPIModule.Comm) -> Communicator:
+        """This backend's communicator of ``plan`` over ``comm``, with this one's device."""
         child = object.__new__(type(self))  # this backend's state over the new comm
         Communicator.__init__(child, rank=plan.rank, world_size=len(plan.members),
                               local_rank=plan.local_rank, device=self.device,
                               timeout=self._timeout)
         child._cuda_aware, child._cuda_reason = self._cuda_aware, self._cuda_reason
         child._attach(LaunchInfo(plan.rank, len(plan.members), plan.local_rank,
-                                 plan.local_world_size, Launcher.EXPLICIT), box[0], self._adapter)
+                                 plan.local_world_size, Launcher.EXPLICIT), comm, self._adapter)
         return child
 
     def _close(self) -> None:
