@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import dataclasses
 import enum
 import hashlib
 import itertools
@@ -28,7 +29,6 @@ import pickle
 import socket
 import weakref
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import ClassVar, NamedTuple

@@ -46,7 +46,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..communicator import Communicator, SplitPlan, Transfer
 from ..errors import BackendUnavailableError
@@ -123,8 +122,6 @@ class CupyNCCLCommunicator(Communicator):
         launch: rank, world size and local rank (see :func:`gradcomm.comm.detect_launch`).
         timeout: seconds per collective (and for a store rendezvous); ``None``: forever.
         device: ``cuda:<i>``; default ``cuda:<local_rank>``.
-        store: a ``torch.distributed.Store`` the ranks share, given by the caller: the unique id
-            travels over it (neither MPI nor a rendezvous is used).
 
     The NCCL communicator is created at every world size (a 1-rank NCCL communicator is valid),
     although the base class issues no collective at world_size 1.
@@ -147,7 +144,6 @@ class CupyNCCLCommunicator(Communicator):
         *,
         timeout: float | None = 300.0,
         device: torch.device | str | None = None,
-        store: dist.Store | None = None,
     ) -> None:
         problem = cupy_nccl_unavailable()
         if problem is not None:
@@ -180,7 +176,7 @@ class CupyNCCLCommunicator(Communicator):
             self.native_reduce_ops = NCCL_REDUCE_OPS - {ReduceOp.AVG}  # type: ignore[misc]
         # The side stream NCCL runs on (see the module docstring).
         self._stream = torch.cuda.Stream(dev)
-        uid = self._exchange_unique_id(launch, timeout, store)
+        uid = self._exchange_unique_id(launch, timeout)
         self._connect(launch, uid)
         log.debug("cupy-nccl rank %d/%d on %s, NCCL %d", self.rank, self.world_size, dev,
                   self.nccl_version)
@@ -211,12 +207,12 @@ class CupyNCCLCommunicator(Communicator):
             table[torch.bfloat16] = getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16)
         return table
 
-    def _exchange_unique_id(self, launch: LaunchInfo, timeout: float | None,
-                            store: dist.Store | None = None) -> Any:
-        """Rank 0's ``nccl.get_unique_id()`` on every rank: over ``store`` when given, else over
-        MPI under an MPI launcher, else over the rendezvous store."""
+    def _exchange_unique_id(self, launch: LaunchInfo, timeout: float | None) -> Any:
+        """Rank 0's ``nccl.get_unique_id()`` on every rank: over ``launch.store`` when given,
+        else over MPI under an MPI launcher, else over the rendezvous store."""
         nccl = self._nccl_mod
         over_mpi = launch.launcher.is_mpi and importlib.util.find_spec("mpi4py") is not None
+        store = launch.store
         if store is None and over_mpi:
             from mpi4py import MPI
 
@@ -244,7 +240,7 @@ class CupyNCCLCommunicator(Communicator):
         self._store = store
         if launch.rank == 0:
             uid_bytes = pickle.dumps(nccl.get_unique_id())
-            store.set("nccl_unique_id", uid_bytes)  # type: ignore[arg-type]  # bytes work
+            store.set("nccl_unique_id", uid_bytes)  # bytes work
         # The store is this job's own (same trust as mpi4py's pickled bcast).
         return pickle.loads(store.get("nccl_unique_id"))
 

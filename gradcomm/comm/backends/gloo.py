@@ -38,8 +38,6 @@ class GlooCommunicator(TorchDistCommunicator):
     Args:
         launch: rank, world size and local rank (see :func:`gradcomm.comm.detect_launch`).
         timeout: seconds per collective (and for the rendezvous); ``None``: a day.
-        store: a store the ranks share, given by the caller: no rendezvous runs (see
-            :class:`~gradcomm.comm.backends.torch_dist.TorchDistCommunicator`).
 
     Network (ranks on several hosts): gloo binds the address this rank reached the store from
     (:attr:`bind_address`), unless ``GLOO_SOCKET_IFNAME`` is set, which then wins.
@@ -52,14 +50,13 @@ class GlooCommunicator(TorchDistCommunicator):
     backend = "gloo"
     interface_variable = "GLOO_SOCKET_IFNAME"
 
-    def __init__(self, launch: LaunchInfo, *, timeout: float | None = 300.0,
-                 store: dist.Store | None = None) -> None:
+    def __init__(self, launch: LaunchInfo, *, timeout: float | None = 300.0) -> None:
         if not dist.is_available() or not dist.is_gloo_available():
             raise RuntimeError(
                 "this torch build has no gloo support "
                 "(torch.distributed.is_gloo_available() is False)"
             )
-        super().__init__(launch, device=torch.device("cpu"), timeout=timeout, store=store)
+        super().__init__(launch, device=torch.device("cpu"), timeout=timeout)
 
     def _make_group(
         self, store: dist.Store, launch: LaunchInfo, timeout: float | None

@@ -235,8 +235,6 @@ class NCCLCommunicator(TorchDistCommunicator):
         launch: rank, world size and local rank (see :func:`gradcomm.comm.detect_launch`).
         timeout: seconds per collective, also NCCL's watchdog timeout; ``None``: a day.
         device: ``cuda:<i>``; default ``cuda:<local_rank>``.
-        store: a store the ranks share, given by the caller: no rendezvous runs (see
-            :class:`~gradcomm.comm.backends.torch_dist.TorchDistCommunicator`).
 
     Raises:
         BackendUnavailableError: no CUDA device, no NCCL in this torch, or more ranks than GPUs
@@ -257,14 +255,13 @@ class NCCLCommunicator(TorchDistCommunicator):
         *,
         timeout: float | None = 300.0,
         device: torch.device | str | None = None,
-        store: dist.Store | None = None,
     ) -> None:
         problem = nccl_unavailable()
         if problem is not None:
             raise problem
         dev = resolve_cuda_device(launch, device, self.backend)
         torch.cuda.set_device(dev)  # before NCCL creates its communicator on "the" device
-        super().__init__(launch, device=dev, timeout=timeout, store=store)
+        super().__init__(launch, device=dev, timeout=timeout)
 
     def _make_group(
         self, store: dist.Store, launch: LaunchInfo, timeout: float | None

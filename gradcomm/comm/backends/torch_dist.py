@@ -151,10 +151,10 @@ class TorchDistCommunicator(Communicator):
 
     Subclasses implement :meth:`_make_group` and :meth:`supports`.
 
-    ``store`` (optional): a store every rank of ``launch`` shares, given by the caller (e.g. a
-    fault-tolerance coordinator's, under a prefix of this group's own); the group is built over
-    it and no rendezvous runs. The transport then binds its default address (on several hosts,
-    set the backend's interface variable, ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``).
+    ``launch.store`` (optional): a store every rank shares, given by the caller (see
+    :class:`~gradcomm.comm.LaunchInfo`); the group is built over it as it is and no rendezvous
+    runs. The transport then binds its default address (on several hosts, set the backend's
+    interface variable, ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``).
 
     Attributes:
         bind_address: the IPv4 address the transport binds when the ranks span hosts (see
@@ -168,8 +168,8 @@ class TorchDistCommunicator(Communicator):
     #: sets it (when unset) to the interface it chose: NCCL's bootstrap has no other input.
     exports_interface: ClassVar[bool] = False
 
-    def __init__(self, launch: LaunchInfo, *, device: torch.device, timeout: float | None,
-                 store: dist.Store | None = None) -> None:
+    def __init__(self, launch: LaunchInfo, *, device: torch.device,
+                 timeout: float | None) -> None:
         super().__init__(
             rank=launch.rank,
             world_size=launch.world_size,
@@ -184,9 +184,9 @@ class TorchDistCommunicator(Communicator):
         self._store: dist.Store | None = None
         self.bind_address: str | None = None
         self.bind_interface: str | None = None
-        if launch.world_size > 1 and store is not None:
-            self._store = store
-            self._group = self._make_group(store, launch, timeout)
+        if launch.world_size > 1 and launch.store is not None:
+            self._store = launch.store
+            self._group = self._make_group(launch.store, launch, timeout)
         elif launch.world_size > 1:
             found = rendezvous(launch, timeout, self.backend,
                                interface_variable=self.interface_variable)

@@ -11,7 +11,7 @@ import enum
 import numbers
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -59,6 +59,12 @@ class LaunchInfo:
             (:func:`gradcomm.comm._rendezvous.create_store`).
         agent_store: torchrun's agent already serves that store
             (``TORCHELASTIC_USE_AGENT_STORE=True``), so rank 0 joins it as a client.
+        store: a ``torch.distributed.Store`` every rank already shares, given by the caller
+            (:func:`gradcomm.init`'s ``store=``, the one ``init_process_group`` made, or a
+            fault-tolerance coordinator's under a prefix of the group's own). gloo and nccl
+            build their process group over it as it is, cupy-nccl passes its unique id over it:
+            no rendezvous, no MPI, no bind-address choice (the transport's interface variable
+            applies, as for torch's own groups). mpi ignores it.
     """
 
     rank: int
@@ -69,6 +75,7 @@ class LaunchInfo:
     master_addr: str | None = None
     master_port: int | None = None
     agent_store: bool = False
+    store: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "local_rank", "local_world_size"):

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..backends.mpi.abort import ABORT_ENV_VAR
 from ..communicator import Communicator
@@ -153,6 +154,7 @@ def init(
     device: torch.device | str | None = None,
     env: Mapping[str, str] | None = None,
     debug: DebugLevel | str | None = None,
+    store: dist.Store | None = None,
 ) -> Communicator:
     """Build this process's communicator; call it once on every rank.
 
@@ -171,6 +173,11 @@ def init(
             collective's arguments across ranks first and raises RuntimeError on every rank
             when they differ (one small all-gather each; docs/failures.md); ``"off"``; default
             ``GRADCOMM_DEBUG``, else off. Pass the same on every rank.
+        store: a ``torch.distributed.Store`` every rank already shares (e.g. the one
+            ``torch.distributed.init_process_group`` made), used as it is; needs ``rank`` and
+            ``world_size``. gloo and nccl build their process group over it, cupy-nccl passes
+            its unique id over it (no ``MASTER_ADDR`` or MPI rendezvous, no bind-address choice:
+            ``GLOO_SOCKET_IFNAME`` applies as for torch's gloo); mpi ignores it.
         env: environment to read (default os.environ): the launcher's variables (rank, world
             size, ``MASTER_ADDR``/``MASTER_PORT``), ``GRADCOMM_BACKEND``, ``GRADCOMM_TIMEOUT``,
             ``GRADCOMM_DEBUG`` and ``GRADCOMM_PROFILE``. ``GRADCOMM_PROFILE=1`` attaches a
@@ -186,7 +193,8 @@ def init(
     Raises:
         TypeError: ``env`` is not a mapping of strings to strings; ``rank``, ``world_size`` or
             ``local_rank`` not an int (bool and float refused); ``device`` not a str or
-            ``torch.device``; ``debug`` not a str or DebugLevel.
+            ``torch.device``; ``debug`` not a str or DebugLevel; ``store`` not a
+            ``torch.distributed.Store``.
         ValueError: unknown backend name (the message lists the known ones), bad timeout
             (not positive, not finite, or over :data:`MAX_TIMEOUT`), ranks out of range, a
             device string torch does not know, a ``debug`` or ``GRADCOMM_DEBUG`` naming no
@@ -194,7 +202,7 @@ def init(
             ``GRADCOMM_MPI_CUDA_AWARE`` value that is neither on nor off, a
             ``GRADCOMM_PROFILE_DIR`` that is (or lies below) a file or cannot be made, a device
             type the backend does not take, or ranks that chose different backends, debug
-            levels or store addresses.
+            levels or store addresses, a ``store`` without ``rank`` and ``world_size``.
         ImportError: the backend's package is missing (the message gives the pip command).
         BackendUnavailableError: the backend needs a CUDA device or library this machine lacks.
         RuntimeError: the rendezvous failed, an explicit ``rank``/``world_size`` is not MPI's,
@@ -235,6 +243,13 @@ def init(
         launch: LaunchInfo = detect_launch(
             launch_env, rank=rank, world_size=world_size, local_rank=local_rank
         )
+        if store is not None:
+            if not isinstance(store, dist.Store):
+                raise TypeError(f"store must be a torch.distributed.Store, got "
+                                f"{type(store).__name__}")
+            if rank is None or world_size is None:
+                raise ValueError("a store needs rank and world_size as well")
+            launch = dataclasses.replace(launch, store=store)
         profiling = profile_requested(launch_env)
         if profiling:
             trace_dir_from_env(launch_env, create=True)
