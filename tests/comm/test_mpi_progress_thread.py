@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import run_mpi
+from tests._support.dist_utils import run_mpi
 
 _SCRIPT = '''
 import sys, torch, gradcomm
