@@ -33,5 +33,11 @@ MESSAGE_LIMIT = 200
 
 def brief(text: str, width: int) -> str:
     """``text`` cut to at most ``width`` characters, so a message that quotes another (a name, a
-    transport's error) stays within :data:`MESSAGE_LIMIT`."""
-    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
+    transport's error) stays within :data:`MESSAGE_LIMIT`. The middle goes: a name's start and
+    end, and a quoted error's subject and verdict ("... did not complete within 2.0 s"), stay."""
+    if len(text) <= width:
+        return text
+    if width < 8:
+        return text[: max(width - 3, 0)] + "..."
+    head = (width - 3) // 2
+    return text[:head] + "..." + text[len(text) - (width - 3 - head):]

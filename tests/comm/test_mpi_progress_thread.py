@@ -23,7 +23,10 @@ if sys.argv[1] == "skip" and comm.rank == 1:
 try:
     t = torch.ones(4)
     comm.all_reduce(t)
-    print(f"RESULT rank {comm.rank} sum {t[0].item()}", flush=True)
+    # One write per line: the ranks share mpiexec's pipe, and print's separate newline write
+    # lets the other rank's line land in between.
+    sys.stdout.write(f"RESULT rank {comm.rank} sum {t[0].item()}\\n")
+    sys.stdout.flush()
 except gradcomm.CollectiveTimeoutError as exc:
     print(f"RESULT rank {comm.rank} timed out: {exc}", flush=True)
 '''

@@ -126,7 +126,9 @@ class TorchWork(Work):
             if timeout is None:
                 self._work.wait()
             else:
-                self._work.wait(_timedelta(timeout))
+                # torch reads a timeout of 0 ms (kNoTimeout) as "the group's": never ask for
+                # less than a millisecond, or a wait's last slice would last the group timeout.
+                self._work.wait(_timedelta(max(timeout, 0.001)))
         except RuntimeError as exc:  # torch reports timeouts as RuntimeError/DistBackendError
             text = str(exc).lower()
             if "timed out" in text or "timeout" in text:
