@@ -1,5 +1,7 @@
 """Jobs across two simulated hosts: torchrun (2 nodes x 2 ranks) and MPICH's mpiexec (hydra,
-starting the second host's ranks through an ssh stand-in), for every /etc/hosts variant.
+starting the second host's ranks through an ssh stand-in), for every /etc/hosts variant: the
+example trains across the hosts on the Debian variant (its own name on 127.0.1.1), and on the
+others init and an all-reduce check the same address choice and launch detection.
 
 Nothing is set for the network: no MASTER_ADDR (mpiexec), no GLOO_SOCKET_IFNAME, no
 NCCL_SOCKET_IFNAME. torchrun is given the first host's address, as its users must. Each host is
@@ -128,16 +130,33 @@ def _check_training(out: str, backend: str, launcher: str, hosts: SimulatedHosts
         assert len(re.findall(line, out)) == 1, (line, out)
 
 
+def _check_all_reduce(out: str, backend: str, launcher: str, hosts: SimulatedHosts) -> None:
+    # Ranks 0-1 on the first host, 2-3 on the second, local ranks 0-1 on each; (1 + 2 + 3 + 4)
+    for rank in range(4):
+        line = (f"RESULT backend={backend} rank={rank} of 4 local={rank % 2} "
+                f"host={hosts.names[rank // 2]} launcher={launcher} sum=10\n")
+        assert out.count(line) == 1, (line, out)
+
+
+#: The /etc/hosts variant on which the example trains across the hosts (once per launcher); on
+#: the others, init and an all-reduce check the same address choice and launch detection.
+TRAINED_ON = "loopback-127.0.1.1"
+
+
 def test_torchrun_two_hosts_gloo(hosts: SimulatedHosts) -> None:
     torchrun = str(BIN / "torchrun")
+    job = ([str(EXAMPLE), "--backend", "gloo", "--epochs", "1", "--timeout", "60"]
+           if hosts.variant == TRAINED_ON else [str(SCRIPTS / "init_allreduce.py"), "gloo", "60"])
     cmds = [hosts.command(i, [
         torchrun, "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
-        "--master-addr", hosts.addresses[0], "--master-port", "29400",
-        str(EXAMPLE), "--backend", "gloo", "--epochs", "1", "--timeout", "60",
+        "--master-addr", hosts.addresses[0], "--master-port", "29400", *job,
     ]) for i in range(2)]
     (code0, out0), (code1, out1) = _run_all(hosts, cmds, _env())
     assert (code0, code1) == (0, 0), out0 + "\n----\n" + out1
-    _check_training(out0 + out1, "gloo", "torchrun", hosts)
+    if hosts.variant == TRAINED_ON:
+        _check_training(out0 + out1, "gloo", "torchrun", hosts)
+    else:
+        _check_all_reduce(out0 + out1, "gloo", "torchrun", hosts)
 
 
 def test_torchrun_master_addr_name_that_is_loopback_on_its_own_host(
@@ -156,19 +175,22 @@ def test_torchrun_master_addr_name_that_is_loopback_on_its_own_host(
     results = _run_all(hosts, cmds, _env())
     out = "\n----\n".join(o for _, o in results)
     assert [code for code, _ in results] == [0, 0], out
-    # (1 + 2 + 3 + 4) on every rank
-    found = re.findall(r"RESULT rank=(\d) sum=10(?![0-9.])", out)
-    assert sorted(found) == ["0", "1", "2", "3"], out
+    _check_all_reduce(out, "gloo", "torchrun", hosts)
 
 
 @pytest.mark.mpi
 def test_mpiexec_two_hosts_gloo_and_mpi(hosts: SimulatedHosts) -> None:
+    trained = hosts.variant == TRAINED_ON
     cmd = _mpiexec(hosts, [str(SCRIPTS / "digits_backends.py"), "gloo,mpi", "--",
-                           "--epochs", "1", "--timeout", "60"])
+                           "--epochs", "1", "--timeout", "60"] if trained else
+                   [str(SCRIPTS / "init_allreduce.py"), "gloo,mpi", "60"])
     [(code, out)] = _run_all(hosts, [cmd], _env())
     assert code == 0, out
     for backend in ("gloo", "mpi"):
-        _check_training(out, backend, "mpich", hosts)
+        if trained:
+            _check_training(out, backend, "mpich", hosts)
+        else:
+            _check_all_reduce(out, backend, "mpich", hosts)
 
 
 @pytest.mark.mpi
