@@ -197,3 +197,32 @@ def test_timeout_and_stalled_communicator_messages_are_short() -> None:
     assert len(errors) == 2, errors
     _short(errors[:1], "did not complete within 0.5 s", "bucket 7")
     _short(errors[1:], "unusable while", "still pending")
+
+
+class _FailedTorchWork:
+    """A torch Work that failed with gloo's kind of message (a source path, then advice)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: object = None) -> bool:
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+                           " Connection closed by peer [127.0.0.1]:12345. " + "advice " * 30)
+
+
+def test_a_transport_failure_quoted_by_a_work_is_short() -> None:
+    from gradcomm.comm.backends.torch_dist import TorchWork
+
+    work = TorchWork(_FailedTorchWork(), "all_reduce #3 SUM of 4 torch.float32 on cpu " * 4,  # type: ignore[arg-type]
+                     300.0)
+    with pytest.raises(RuntimeError) as info:
+        work.wait()
+    message = str(info.value)
+    assert len(message) <= 200, (len(message), message)
+    assert message.startswith("all_reduce #3") and "Connection closed by peer" in message, message
+
+
+def test_a_device_torch_does_not_know_is_refused_briefly() -> None:
+    with pytest.raises(ValueError, match="is not a torch device") as info:
+        gradcomm.init("gloo", device="tpu", rank=0, world_size=1)
+    assert len(str(info.value)) <= 200, str(info.value)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from .errors import brief
 from .types import ReduceOp, Support
 
 __all__ = [
@@ -89,7 +90,8 @@ def check_supports_args(dtype: object, device: object) -> torch.device | None:
     try:
         return torch.device(device)
     except RuntimeError as exc:  # torch's message lists the device types it knows
-        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+        raise ValueError(f"device {brief(repr(device), 40)} is not a torch device: "
+                         f"{brief(str(exc), 110)}") from None
 
 
 def check_avg(tensor: torch.Tensor, op: ReduceOp) -> None:

@@ -18,6 +18,8 @@ which keep the registered objects -- the reducer checks on every forward without
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -26,41 +28,63 @@ from torch.nn.modules import module as _module_hooks  # the public home of the g
 
 __all__ = ["ModuleBuffers", "StructureWatch"]
 
+# torch keeps its global registration hooks in a dict that every module registration iterates;
+# adding or removing one while another thread builds a module raises "OrderedDict mutated during
+# iteration" there. So the hooks are installed once, when this module is imported, never removed,
+# and tell the live watches. The watches are a tuple replaced whole (copy on write), so a hook
+# reads it without a lock; close() only sets a flag, since it also runs from a finalizer, which
+# the garbage collector may start anywhere, even inside the adding lock.
+_watches: tuple[weakref.ref[StructureWatch], ...] = ()
+_adding = threading.Lock()
+
+
+def _live_watches() -> list[StructureWatch]:
+    return [w for w in (r() for r in _watches) if w is not None and not w.closed]
+
+
+# Each returns None, which keeps the value torch is registering.
+def _note_parameter(module: Any, name: str, value: Any) -> None:
+    for watch in _live_watches():
+        watch.changed = True
+
+
+def _note_module(module: Any, name: str, value: Any) -> None:
+    for watch in _live_watches():
+        watch.changed = watch.buffers_changed = True
+
+
+def _note_buffer(module: Any, name: str, value: Any) -> None:
+    for watch in _live_watches():
+        watch.buffers_changed = True
+
+
+_module_hooks.register_module_parameter_registration_hook(_note_parameter)
+_module_hooks.register_module_module_registration_hook(_note_module)
+_module_hooks.register_module_buffer_registration_hook(_note_buffer)
 
 
 class StructureWatch:
     """A flag set whenever torch registers a parameter or submodule on any module.
 
     ``changed`` is True from the start (nothing has been checked yet); the owner clears it after
-    a successful check. :meth:`close` removes the global hooks (idempotent); the hooks reference
-    only this object, so a reducer that is garbage-collected without ``remove()`` is not kept
-    alive by them (it closes its watch with :func:`weakref.finalize`).
+    a successful check. :meth:`close` stops the notes (idempotent). The process-wide hooks, added
+    once at import (adding and removing them races with module construction in other threads),
+    hold the watches weakly, so a reducer that is garbage-collected without ``remove()`` is not
+    kept alive by them.
     """
 
     def __init__(self) -> None:
+        global _watches
         self.changed = True
         self.buffers_changed = True  # a buffer or submodule registered (see ModuleBuffers)
-        self._handles = [
-            _module_hooks.register_module_parameter_registration_hook(self._note),
-            _module_hooks.register_module_module_registration_hook(self._note_module),
-            _module_hooks.register_module_buffer_registration_hook(self._note_buffer),
-        ]
-
-    # Each returns None, which keeps the value torch is registering.
-    def _note(self, module: Any, name: str, value: Any) -> None:
-        self.changed = True
-
-    def _note_module(self, module: Any, name: str, value: Any) -> None:
-        self.changed = self.buffers_changed = True
-
-    def _note_buffer(self, module: Any, name: str, value: Any) -> None:
-        self.buffers_changed = True
+        self.closed = False
+        with _adding:
+            _watches = (*(r for r in _watches if (w := r()) is not None and not w.closed),
+                        weakref.ref(self))
 
     def close(self) -> None:
-        """Remove the global hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Stop noting registrations (the next watch made drops this one from the list)."""
+        self.closed = True
 
 
 class ModuleBuffers:

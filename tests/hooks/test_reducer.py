@@ -319,6 +319,30 @@ def test_structure_watch_sees_registrations_until_closed() -> None:
     assert not watch.changed
 
 
+def test_building_and_removing_reducers_leaves_torchs_global_hooks_alone() -> None:
+    # torch iterates its global registration hooks on every module registration; a reducer that
+    # added and removed its own raced with other threads building modules ("OrderedDict mutated
+    # during iteration"). The watch's hooks are installed once, at import.
+    from torch.nn.modules import module as hooks
+
+    tables = (hooks._global_parameter_registration_hooks,
+              hooks._global_module_registration_hooks, hooks._global_buffer_registration_hooks)
+    before = [dict(t) for t in tables]
+    comm = ThreadGroup(1).communicator(0)
+    reducer = GradientReducer(nn.Linear(2, 2), comm)
+    assert [dict(t) for t in tables] == before
+    watch = reducer._watch
+    assert watch is not None
+    watch.changed = False
+    nn.Linear(1, 1)  # any module's registration is still noticed
+    assert watch.changed
+    reducer.remove()
+    assert [dict(t) for t in tables] == before
+    watch.changed = False
+    nn.Linear(1, 1)
+    assert not watch.changed  # a removed reducer's watch is closed
+
+
 @pytest.mark.slow
 def test_a_reducer_lives_as_long_as_what_it_wraps() -> None:
     # Wrapping a module: dropped with it, without remove() (torch does not show tensor hooks to

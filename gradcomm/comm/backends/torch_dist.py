@@ -12,6 +12,7 @@ import atexit
 import datetime
 import functools
 import os
+import re
 import threading
 import time
 import weakref
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from ..checks import flat_bytes
 from ..communicator import Communicator, SplitPlan
+from ..errors import MESSAGE_LIMIT, brief
 from ..launch.launcher import Launcher, LaunchInfo
 from ..launch.rendezvous import rendezvous
 from ..types import ReduceOp
@@ -99,6 +101,14 @@ class TorchWork(Work):
             return requested
         return cap
 
+    def _failed(self, exc: BaseException) -> str:
+        """The message of a transport failure, within MESSAGE_LIMIT: gloo's own messages start
+        with their source location (dropped; the chained exception keeps it) and end with long
+        advice."""
+        text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc))
+        rest = f" failed: {brief(text, 110)}"
+        return brief(str(self.description), MESSAGE_LIMIT - len(rest)) + rest
+
     def _check_aborted(self) -> None:
         if self._abort_flag is not None and self._abort_flag.is_set():
             raise RuntimeError(f"{self.description} failed: the communicator was aborted")
@@ -133,7 +143,7 @@ class TorchWork(Work):
             text = str(exc).lower()
             if "timed out" in text or "timeout" in text:
                 raise TimeoutError(str(exc)) from exc
-            raise RuntimeError(f"{self.description} failed: {exc}") from exc
+            raise RuntimeError(self._failed(exc)) from exc
 
     def _test(self) -> bool:
         # torch's is_completed() is also True for a collective that failed or timed out; its
@@ -144,7 +154,7 @@ class TorchWork(Work):
         try:
             self._wait_once(None)
         except TimeoutError as exc:  # completed by the group's own timeout: it failed
-            raise RuntimeError(f"{self.description} failed: {exc}") from exc
+            raise RuntimeError(self._failed(exc)) from exc
         return True
 
 

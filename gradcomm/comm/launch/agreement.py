@@ -149,7 +149,7 @@ def agree_on_settings(
         rank, (name, msg) = failed[0]  # the first failed rank's error; its own traceback has all
         more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
         raise kind(f"gradcomm.init failed on {len(failed)} of {len(views)} ranks (rank {rank}"
-                   f"{more}: {name}: {brief(msg, 110)}); raised "
+                   f"{more}: {name}: {brief(msg, 100)}); raised "
                    "on every rank so that none waits")
     chosen = [tuple(m) for _, m in views]
     backends = [c[0] for c in chosen]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..backends.mpi.abort import ABORT_ENV_VAR
 from ..communicator import Communicator
 from ..consistency import DebugLevel, debug_level_from_env
+from ..errors import brief
 from .agreement import agree_on_debug, agree_on_settings, joins_agreement
 from .env import env_flag
 from .launcher import LaunchInfo, detect_launch
@@ -141,7 +142,8 @@ def _checked_device(device: object) -> torch.device | None:
     try:
         return torch.device(device)
     except RuntimeError as exc:  # torch's message lists the device types it knows
-        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+        raise ValueError(f"device {brief(repr(device), 40)} is not a torch device: "
+                         f"{brief(str(exc), 110)}") from None
 
 
 def init(
