@@ -14,7 +14,10 @@ the process dies as under ``kill -9``):
 - ``serve``: SIGKILL after the first tensor it sends to a joining worker (the first worker of
   the job to serve one; ``STEP`` is ignored).
 
-With ``--zero 1|2`` the optimizer is a ShardedOptimizer, built over each communicator.
+With ``--zero 1|2`` the optimizer is a ShardedOptimizer, built over each communicator. With
+``--hook-state`` the reducer sums its buckets through a comm hook whose state holds the
+communicator it was built over (as PowerSGD's does), made anew by ``build`` at each formation;
+the output lists, per state, the generation it served and the buckets it summed.
 With ``--fake-device`` the model, its data and every collective live on the fake device of
 tests/_support/fake_device.py, over a gloo communicator (as an nccl or cupy-nccl communicator
 holds CUDA tensors): the re-formations and the state sent to joiners then run on a non-CPU
@@ -44,7 +47,7 @@ import torch.distributed as dist
 
 import gradcomm
 from gradcomm import elastic
-from gradcomm.comm import LaunchInfo
+from gradcomm.comm import LaunchInfo, ReduceOp, Work
 from gradcomm.comm.backends.gloo import GlooCommunicator
 from gradcomm.elastic import _formation
 
@@ -78,6 +81,19 @@ def fake_device_gloo(launch: LaunchInfo, timeout: float,
     return AbortableFakeDevice(GlooCommunicator(launch, timeout=timeout))
 
 
+class HookState:
+    """A comm hook's state bound to one communicator: a hook still holding an aborted one would
+    fail every step after a re-formation."""
+
+    def __init__(self, comm: gradcomm.Communicator, generation: int) -> None:
+        self.comm, self.generation, self.calls = comm, generation, 0
+
+
+def stateful_hook(state: HookState, bucket: gradcomm.hooks.GradBucket) -> Work:
+    state.calls += 1
+    return state.comm.all_reduce(bucket.buffer(), ReduceOp.SUM, async_op=True)
+
+
 def at_step(current: dict[str, int], step: int, sig: int = signal.SIGKILL) -> Any:
     """A hook (any arguments, returns None) that sends ``sig`` to this process at ``step``."""
     def hook(*_: object) -> None:
@@ -100,6 +116,7 @@ def main() -> int:
     p.add_argument("--hold", type=int, default=-1)
     p.add_argument("--fake-device", action="store_true")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2))
+    p.add_argument("--hook-state", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
@@ -117,10 +134,14 @@ def main() -> int:
     state = elastic.State(model, None if args.zero else opt)
     current = {"step": -1}
     generations: list[tuple[int, int, float | None]] = []
+    hook_states: list[HookState] = []
 
     def build(comm: gradcomm.Communicator, st: elastic.State) -> gradcomm.GradientReducer:
         reducer = gradcomm.GradientReducer(st.model, comm, bucket_cap_mb=elastic_case.BUCKET_CAP_MB,
                                            first_bucket_cap_mb=elastic_case.BUCKET_CAP_MB)
+        if args.hook_state:
+            hook_states.append(HookState(comm, group.generation))
+            reducer.register_comm_hook(stateful_hook, state=hook_states[-1])
         if args.zero:
             st.optimizer = gradcomm.ShardedOptimizer(reducer, torch.optim.SGD, stage=args.zero,
                                                      **elastic_case.OPTIMIZER)
@@ -189,7 +210,8 @@ def main() -> int:
     finally:
         group.close()
     result.update(params=[to_cpu(p) for p in model.parameters()], step=state.step,
-                  generations=generations)
+                  generations=generations,
+                  hook_states=[(h.generation, h.comm.world_size, h.calls) for h in hook_states])
     torch.save(result, args.out)
     return 3 if result["error"] else 0
 

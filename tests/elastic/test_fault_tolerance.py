@@ -44,15 +44,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(15
 class Job:
     """Workers of one fault-tolerant job, with the coordinator served by this process."""
 
-    def __init__(self, tmp_path: Path, **options: Any) -> None:
+    def __init__(self, tmp_path: Path, flags: tuple[str, ...] = (), **options: Any) -> None:
         self.store = serve("127.0.0.1", 0)
+        self.flags = flags
         self.address = f"127.0.0.1:{self.store.port}"
         self.dir = tmp_path
         self.options = {"steps": STEPS, "heartbeat-timeout": HEARTBEAT_TIMEOUT, **options}
         self.procs: dict[str, subprocess.Popen[str]] = {}
 
     def start(self, name: str, *args: str) -> None:
-        opts = [f"--{k}={v}" for k, v in self.options.items()]
+        opts = [f"--{k}={v}" for k, v in self.options.items()] + list(self.flags)
         self.procs[name] = popen_rank(
             [sys.executable, "-m", WORKER, "--coordinator", self.address,
              "--out", str(self.dir / f"{name}.pt"), *opts, *args],
@@ -119,8 +120,11 @@ def test_kills_in_forward_backward_and_optimizer_and_a_join_during_a_step(
         tmp_path: Path) -> None:
     """4 workers: one killed in forward (step 3), a worker joins during step 5, one killed in
     backward with buckets in flight (step 7), one in the optimizer step (step 11): 4, 3, 4, 3, 2
-    workers; the last two end with the one-process run's parameters."""
-    job = Job(tmp_path, **{"min-world-size": 2, "world-size": 4, "timeout": 10})
+    workers; the last two end with the one-process run's parameters. The buckets are summed by
+    a comm hook whose state holds its communicator: each generation's ``build`` made a new one,
+    and each served its own generation only."""
+    job = Job(tmp_path, flags=("--hook-state",),
+              **{"min-world-size": 2, "world-size": 4, "timeout": 10})
     job.start("w0", "--hold=5")
     job.start("w1", "--fault=forward@3")
     job.start("w2", "--fault=backward@7", "--hold=5")
@@ -132,6 +136,14 @@ def test_kills_in_forward_backward_and_optimizer_and_a_join_during_a_step(
     sizes = [size for _, size, _ in results["w0"]["generations"]]
     assert sizes == [4, 3, 4, 3, 2], sizes
     assert [size for _, size, _ in results["joiner"]["generations"]] == [4, 3, 2]
+    for name in ("w0", "joiner"):
+        states = results[name]["hook_states"]
+        numbers = [number for number, _, _ in states]
+        assert numbers == sorted(set(numbers)), states  # one state per generation
+        trained = {number: size for number, size, _ in results[name]["generations"]}
+        assert set(trained) <= set(numbers), states
+        assert all(size == trained[number] and calls > 0
+                   for number, size, calls in states if number in trained), states
 
 
 def test_two_killed_at_once_then_the_worker_serving_a_joiner_killed_on_a_fake_device(
