@@ -156,10 +156,9 @@ def spawn(args: argparse.Namespace, mode: str, rank: int, progress: Path | None 
     cmd = [sys.executable, str(HERE), "--worker", mode, "--rank", str(rank), "--coordinator",
            args.address, "--world-size", str(args.world_size), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--models", *args.models]
-    log = subprocess.DEVNULL
     if progress is not None:
         cmd += ["--progress", str(progress)]
-        log = progress.with_suffix(".log").open("w")  # type: ignore[assignment]
+    log = (args.work / f"{mode}{rank}.log").open("w")  # stderr: the worker's traceback, if any
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
 
 
@@ -188,7 +187,7 @@ def measure_step_time(args: argparse.Namespace, store: dist.Store) -> dict[str, 
     procs = [spawn(args, "steptime", r) for r in range(args.world_size)]
     for p in procs:
         if p.wait(timeout=args.run_timeout) != 0:
-            raise RuntimeError(f"a step-time worker exited {p.returncode}")
+            raise RuntimeError(f"a step-time worker exited {p.returncode}: see {args.work}")
     out: dict[str, Any] = {}
     for name in args.models:
         times = json.loads(store.get(f"bench/{name}"))
@@ -268,6 +267,7 @@ def main() -> int:
     store = connect(args.address, 60.0)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"gradcomm-elastic-bench-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
+    args.work = work
     steps = measure_step_time(args, store)
     for name, r in steps.items():
         print(f"{name}: step {r['median_off_ms']:.2f} ms off, {r['median_on_ms']:.2f} ms on; "
