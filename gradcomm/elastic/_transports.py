@@ -28,8 +28,8 @@ CommunicatorFactory = Callable[[LaunchInfo, float, "torch.device | None"], Commu
 SUPPORTED = ("gloo", "nccl", "cupy-nccl")
 
 MPI_REFUSED = ("fault tolerance needs a group that can be re-formed at run time, which MPI's "
-               "cannot (a dead rank ends the job); use gloo, nccl or cupy-nccl, workers started "
-               "without mpirun")
+               "cannot (a dead rank ends the job); use gloo, nccl or cupy-nccl, workers "
+               "started alone (by hand, srun), not by mpirun")
 
 
 def _gloo(launch: LaunchInfo, timeout: float, device: torch.device | None) -> Communicator:
