@@ -167,24 +167,29 @@ def test_two_killed_at_once_then_the_worker_serving_a_joiner_killed_on_a_fake_de
     assert results["joiner"]["generations"][0][1] == 2  # it trained with the other survivor
 
 
-def test_a_stalled_worker_is_left_out_and_too_few_workers_raise_on_every_survivor_zero2(
+def test_a_stalled_worker_is_left_out_a_joiner_gets_the_snapshot_and_too_few_raise_zero2(
         tmp_path: Path) -> None:
     """4 workers with a ShardedOptimizer (ZeRO stage 2), min_world_size 3: one stops (SIGSTOP)
     in step 3 and is left out once the timeout passes (its shard of the optimizer state comes
-    back from the snapshot); one is killed in step 8's optimizer step, after its shard's update
-    and while the others gather the parameters; both survivors raise ElasticError with the same
-    message, holding the parameters of the 8 steps applied (the snapshot's)."""
+    back from the snapshot); a worker joins during step 6 (the others wait in it) and receives
+    the snapshot from a live one; one is killed in step 8's optimizer step, after its shard's
+    update and while the others gather the parameters; one is killed in step 12's forward,
+    which leaves 2: both survivors, the joiner among them, raise ElasticError with the same
+    message, holding the parameters of the 12 steps applied (the snapshot's)."""
     job = Job(tmp_path, **{"min-world-size": 3, "world-size": 4, "timeout": 3,
                            "join-timeout": 2, "zero": 2})
-    job.start("w0")
+    job.start("w0", "--hold=6")
     job.start("w1", "--fault=stall@3")
-    job.start("w2", "--fault=optimizer@8")
-    job.start("w3")
+    job.start("w2", "--fault=optimizer@8", "--hold=6")
+    job.start("w3", "--fault=forward@12", "--hold=6")
     started = time.monotonic()
+    job.wait_for_step(5, timeout=90)
+    job.start("joiner")
     results = job.finish(timeout=90, stopped=("w1",))
-    check_survivors(job, results, ["w0", "w3"], ["w1", "w2"], steps=8, exit_code=3)
-    errors = {results[n]["error"] for n in ("w0", "w3")}
-    assert errors == {"2 worker(s) alive after generation 2 ended, fewer than min_world_size=3; "
+    check_survivors(job, results, ["w0", "joiner"], ["w1", "w2", "w3"], steps=12, exit_code=3)
+    errors = {results[n]["error"] for n in ("w0", "joiner")}
+    assert errors == {"2 worker(s) alive after generation 4 ended, fewer than min_world_size=3; "
                       "none joined within 2 s"}, errors
-    assert [size for _, size, _ in results["w0"]["generations"]] == [4, 3]
-    assert time.monotonic() - started < 90
+    assert [size for _, size, _ in results["w0"]["generations"]] == [4, 3, 4, 3]
+    assert [size for _, size, _ in results["joiner"]["generations"]] == [4, 3]
+    assert time.monotonic() - started < 120
