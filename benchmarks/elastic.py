@@ -92,6 +92,9 @@ def step_time_worker(args: argparse.Namespace) -> None:
     """Time ``off`` and ``on`` steps in alternation, per model: two copies of the model, one
     with a GradientReducer over ``gradcomm.init``'s gloo communicator, one under an
     ElasticGroup (its steps taken from ``group.steps()``, the generator's work timed too)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     rank = args.rank
     store = connect(args.coordinator, 60.0)
     for name in args.models:
