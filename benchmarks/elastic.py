@@ -5,8 +5,8 @@ One run starts a coordinator (in this process) and worker processes of this scri
 1. **Step time** (``--world-size`` workers, 4 by default): every worker trains two copies of
    the same model, step by step in alternation (the order swapped every step, so a slow moment
    of a shared machine hits both): ``off`` -- a :class:`gradcomm.GradientReducer` over
-   ``gradcomm.init``'s gloo communicator (over the coordinator's store) -- and ``on`` -- a
-   reducer over an :class:`gradcomm.elastic.ElasticGroup`'s communicator, the step taken from
+   ``gradcomm.init``'s gloo communicator (rendezvous at the coordinator's store) -- and ``on``
+   -- a reducer over an :class:`gradcomm.elastic.ElasticGroup`'s communicator, the step taken from
    ``group.steps()`` and run in ``with step:`` (the generator's and the step's work are timed).
    The group's monitor thread heartbeats meanwhile, for both (20 small store calls a second).
    After ``--warmup`` untimed steps, ``--rounds`` rounds of ``--steps`` steps each are timed on
@@ -97,6 +97,9 @@ def step_time_worker(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     rank = args.rank
     store = connect(args.coordinator, 60.0)
+    # "off" rendezvouses through the coordinator's store too, with a client of its own
+    host, port = args.coordinator.rsplit(":", 1)
+    env = {"MASTER_ADDR": host, "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "True"}
     for name in args.models:
         off_model, on_model = build_model(name), build_model(name)
         off_opt = torch.optim.SGD(off_model.parameters(), lr=0.01)
@@ -105,9 +108,8 @@ def step_time_worker(args: argparse.Namespace) -> None:
         total = args.warmup + args.rounds * args.steps
         times: dict[str, list[float]] = {"off": [], "on": []}
         state = elastic.State(on_model, on_opt)
-        off_store = dist.PrefixStore(f"bench-off-{name}", store)
-        with gradcomm.init("gloo", rank=rank, world_size=args.world_size, timeout=60.0,
-                           store=off_store) as comm, elastic.ElasticGroup(
+        with gradcomm.init("gloo", rank=rank, world_size=args.world_size, env=env,
+                           timeout=60.0) as comm, elastic.ElasticGroup(
                 state, lambda c, st: gradcomm.GradientReducer(st.model, c),
                 coordinator=args.coordinator, backend="gloo", job_id=f"bench-{name}",
                 world_size=args.world_size, min_world_size=args.world_size,
