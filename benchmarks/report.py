@@ -28,6 +28,7 @@ BASELINES = (
     ("collectives.json", "Sweep of the other collectives"),
     ("sendrecv.json", "Send/recv sweep"),
     ("sharded_memory.json", "Sharded data parallel memory"),
+    ("elastic.json", "Fault tolerance: recovery, rejoin, step time"),
 )
 PLOT = "allreduce_busbw.png"
 # step_time.py's models of many small parameter tensors (its MANY_PARAM_MODELS): the only ones
@@ -272,8 +273,37 @@ def sharded_memory_table(doc: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def elastic_tables(doc: dict[str, Any]) -> list[str]:
+    """benchmarks/elastic.py: step time with fault tolerance on and off, recovery and rejoin."""
+    meta, res = doc["meta"], doc["elastic"]
+    out = [
+        *provenance(meta),
+        f"Step time, {meta['world_size']} workers, steps with it on and off in alternation; "
+        f"on / off: the median over {meta['rounds']} rounds of {meta['steps']} steps of each "
+        "round's ratio of medians (target: at most 1.05):",
+        "",
+        "| model | off ms | on ms | on / off | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, r in res["step_time"].items():
+        verdict = "met" if r["ratio"] <= 1.05 else "missed"
+        out.append(f"| {name} | {r['median_off_ms']:.2f} | {r['median_on_ms']:.2f} "
+                   f"| {r['ratio']:.3f} | {verdict} |")
+    settings = meta["settings"]
+    out += ["", f"Recovery and rejoin, timeout {settings['timeout']:g} s, heartbeat_timeout "
+                f"{settings['heartbeat_timeout']:g} s (target: recovery at most 10 s):", "",
+            "| cycle | killed at step | recovery s | rejoin s | start to step s |",
+            "|---:|---:|---:|---:|---:|"]
+    for c in res["recovery"]:
+        out.append(f"| {c['cycle']} | {c['killed_at_step']} | {c['recovery_s']:.2f} "
+                   f"| {c['rejoin_s']:.2f} | {c['start_to_step_s']:.2f} |")
+    return [*out, ""]
+
+
 def tables(doc: dict[str, Any]) -> list[str] | None:
     """The markdown of any benchmark result, or None for a file that is not one."""
+    if "elastic" in doc:
+        return elastic_tables(doc)
     if "sharded" in doc:
         return sharded_memory_table(doc)
     if "results" in doc:

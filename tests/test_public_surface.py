@@ -36,11 +36,12 @@ def test_top_level_exports_at_most_15_names_that_all_resolve() -> None:
         assert hasattr(gradcomm, name), name
     public = {n for n in vars(gradcomm) if not n.startswith("_")}
     # Besides __all__ only the subpackages are reachable as attributes.
-    assert public - set(gradcomm.__all__) <= {"comm", "hooks", "profiler", "bench", "info"}, public
+    assert public - set(gradcomm.__all__) <= {"comm", "hooks", "profiler", "bench", "info",
+                                              "elastic"}, public
 
 
 @pytest.mark.parametrize("module", ["gradcomm.comm", "gradcomm.hooks", "gradcomm.profiler",
-                                    "gradcomm.bench"])
+                                    "gradcomm.bench", "gradcomm.elastic"])
 def test_submodules_import_and_export_what_they_list(module: str) -> None:
     mod = importlib.import_module(module)
     # gradcomm.comm is the whole collective interface (ops, P2POp, Collective, DebugLevel, ...)
