@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import dataclasses
 import datetime
 import functools
 import os
@@ -346,6 +347,12 @@ class TorchDistCommunicator(Communicator):
 
     def _close(self) -> None:
         group, self._group = self._group, None
+        # The store's last reference goes now, not at the next garbage collection (the
+        # communicator's helpers hold bound methods of it): a TCPStore this rank serves frees
+        # its port, so a next init_process_group may listen there again.
+        self._store = None
+        self.launch = dataclasses.replace(self.launch, store=None)
+        self._unobserved.clear()  # their torch works hold the transport, and it the store
         atexit.unregister(self._close_at_exit)
         shutdown = getattr(group, "shutdown", None)
         if shutdown is not None:
