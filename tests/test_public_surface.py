@@ -36,7 +36,8 @@ def test_top_level_exports_at_most_15_names_that_all_resolve() -> None:
         assert hasattr(gradcomm, name), name
     public = {n for n in vars(gradcomm) if not n.startswith("_")}
     # Besides __all__ only the subpackages are reachable as attributes.
-    assert public - set(gradcomm.__all__) <= {"comm", "hooks", "profiler", "bench", "info"}, public
+    assert public - set(gradcomm.__all__) <= {"comm", "hooks", "profiler", "bench", "info",
+                                              "torch_backend"}, public
 
 
 @pytest.mark.parametrize("module", ["gradcomm.comm", "gradcomm.hooks", "gradcomm.profiler",
