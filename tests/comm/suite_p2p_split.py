@@ -5,6 +5,9 @@ rank-agnostic tests (the module tier, :mod:`tests._support.rank_suite`; run by
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from gradcomm.comm import Communicator
 
 from tests._support import p2p_split_checks as checks
@@ -30,3 +33,34 @@ def test_closing_a_parent_closes_its_children(comm: Communicator) -> None:
     parent = comm.split(0)  # the run's communicator stays open for the tests after this one
     assert parent is not None
     assert checks.check_children_closed(parent) == 1
+
+
+@rank_suite.only(lambda run: run.backend in ("gloo", "mpi"))
+def test_subgroup_is_built_by_its_members_alone(comm: Communicator) -> None:
+    """Members call subgroup, the others go straight on (gloo: a prefixed store; mpi:
+    Comm.Create_group); ranks come in the listed order; a second group of the same ranks is
+    another group; bad member lists raise before any transport call."""
+    w, r = comm.world_size, comm.rank
+    members = [w - 1, 0] if w > 1 else [0]
+    if r in members:
+        sub = comm.subgroup(members)
+        again = comm.subgroup(members)
+        t = torch.tensor([float(r)])
+        sub.all_reduce(t)
+        u = torch.tensor([float(r + 1)])
+        again.all_reduce(u, op="max")
+        assert (sub.rank, sub.world_size) == (members.index(r), len(members))
+        assert (t.item(), u.item()) == (float(sum(members)), float(max(members) + 1))
+        sub.close()
+        again.close()
+    comm.barrier()  # the members' groups are theirs alone: the others never waited for them
+    with pytest.raises(ValueError, match=f"include this rank {r}"):
+        comm.subgroup([x for x in range(w) if x != r] or [w])
+    with pytest.raises(ValueError, match="distinct and not empty"):
+        comm.subgroup([r, r])
+    with pytest.raises(ValueError, match="distinct and not empty"):
+        comm.subgroup([])
+    with pytest.raises(TypeError, match="sequence of ints"):
+        comm.subgroup("0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sequence of ints"):
+        comm.subgroup([0.0])  # type: ignore[list-item]
