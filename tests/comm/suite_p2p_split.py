@@ -64,3 +64,36 @@ def test_subgroup_is_built_by_its_members_alone(comm: Communicator) -> None:
         comm.subgroup("0")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="sequence of ints"):
         comm.subgroup([0.0])  # type: ignore[list-item]
+
+
+@rank_suite.only(lambda run: run.backend in ("gloo", "mpi"))
+def test_recv_from_any_rank(comm: Communicator) -> None:
+    """recv(src=None) takes the first message with its tag from any rank; the work's source
+    names the sender (and a named receive's source is its src)."""
+    w, r = comm.world_size, comm.rank
+    assert comm.receives_from_any_source
+    if w == 1:
+        return
+    if r == 0:
+        senders = []
+        for _ in range(w - 1):
+            t = torch.empty(4)
+            work = comm.recv(t, None, tag=7, async_op=True)
+            work.wait()
+            assert work.source is not None and torch.equal(t, torch.full((4,), work.source))
+            senders.append(work.source)
+        assert sorted(senders) == list(range(1, w))
+        named = comm.recv(torch.empty(1), w - 1, tag=8)
+        assert named.source == w - 1
+    else:
+        comm.send(torch.full((4,), float(r)), 0, tag=7)
+        if r == w - 1:
+            comm.send(torch.ones(1), 0, tag=8)
+    comm.barrier()
+
+
+@rank_suite.only(lambda run: run.backend == "threads")
+def test_recv_from_any_rank_where_the_backend_cannot(comm: Communicator) -> None:
+    assert not comm.receives_from_any_source
+    with pytest.raises(NotImplementedError, match="named rank only"):
+        comm.recv(torch.empty(1), None)

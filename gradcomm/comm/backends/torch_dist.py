@@ -93,6 +93,8 @@ class TorchWork(Work):
         # whatever a wait asks for.
         self._group_timeout = timeout
         self._abort_flag = aborted
+        #: A receive from any rank: sets :attr:`source` once complete.
+        self.any_source = False
 
     def _limit(self, requested: float | None) -> float | None:
         cap = self._group_timeout
@@ -135,6 +137,9 @@ class TorchWork(Work):
             if "timed out" in text or "timeout" in text:
                 raise TimeoutError(str(exc)) from exc
             raise RuntimeError(f"{self.description} failed: {exc}") from exc
+        if self.any_source:
+            # the sender, as torch.distributed.recv reads it from the same work
+            self.source = self._work._source_rank()
 
     def _test(self) -> bool:
         # torch's is_completed() is also True for a collective that failed or timed out; its
@@ -303,6 +308,12 @@ class TorchDistCommunicator(Communicator):
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
         return self._wrap(self._pg().recv([flat_bytes(tensor)], src, tag), description)
+
+    def _recv_any(self, tensor: torch.Tensor, tag: int, description: DescriptionLike) -> Work:
+        work = TorchWork(self._pg().recv_anysource([flat_bytes(tensor)], tag), description,
+                         self._timeout, self._abort_flag)
+        work.any_source = True
+        return work
 
     # ------------------------------------------------------------------ sub-communicators
     def _split_child(self, plan: SplitPlan) -> TorchDistCommunicator | None:
