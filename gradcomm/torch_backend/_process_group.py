@@ -338,12 +338,29 @@ class ProcessGroupGradcomm(dist.ProcessGroup):
         comm = self._comm(tensors)
         work = self._submit("recv", tensors, lambda: self._transfer(
             comm, comm.recv(tensors[0], src, tag, async_op=True)))
-        work._sender = src
+        work._set_sender(src)
         return work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> GradcommWork:
-        raise NotImplementedError("the gradcomm backend receives from a named rank only; "
-                                  "pass src to recv")
+        """``recv`` without ``src``: the first message with ``tag`` from any rank; the work's
+        :meth:`~GradcommWork.source_rank` names the sender once it is done.
+
+        Raises:
+            NotImplementedError: the transport receives from named ranks only (nccl,
+                cupy-nccl; gloo and mpi take any).
+        """
+        comm = self._comm(tensors)
+        if not comm.receives_from_any_source:
+            raise NotImplementedError(f"recv without src: the {comm.backend} transport "
+                                      "receives from a named rank only")
+        work = GradcommWork(tensors, _describe("recv", tensors))
+
+        def body() -> Posted:
+            posted = comm.recv(tensors[0], None, tag, async_op=True)
+            posted.add_callback(lambda: work._set_sender(posted.source))
+            return self._transfer(comm, posted)
+
+        return self._engine.submit(body, work)
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:

@@ -104,9 +104,16 @@ class GradcommWork(dist.Work):
         output tensors; on failure it is in error (its ``wait()`` and ``value()`` raise)."""
         return self._future
 
+    def _set_sender(self, rank: int | None) -> None:
+        self._sender = -1 if rank is None else rank
+
     def source_rank(self) -> int:
-        """The sender of a receive (torch's ``recv`` returns it); -1 for other operations."""
+        """The sender of a receive (torch's ``recv`` returns it; for a receive from any rank,
+        known once the work is done); -1 for other operations."""
         return self._sender
+
+    #: torch's name: ``dist.recv`` without ``src`` and its tests call ``work._source_rank()``.
+    _source_rank = source_rank
 
     def __repr__(self) -> str:
         state = ("pending" if not self._event.is_set()

@@ -182,6 +182,22 @@ def point_to_point_and_objects(gc: dist.ProcessGroup, gloo: dist.ProcessGroup) -
         t = torch.empty(4)
         assert dist.recv(t, 0, group=gc, tag=3) == 0
         assert torch.equal(t, torch.arange(4.0))
+    # recv and irecv without src: rank 0 takes the others' messages as they come
+    if r == 0:
+        senders = []
+        for _ in range(n - 1):
+            t = torch.empty(3)
+            sender = dist.recv(t, group=gc, tag=5)
+            assert torch.equal(t, torch.full((3,), float(sender))), (sender, t)
+            u = torch.empty(3)
+            work = dist.irecv(u, group=gc, tag=6)
+            work.wait()
+            assert torch.equal(u, torch.full((3,), -float(work._source_rank()))), u
+            senders.append(sender)
+        assert sorted(senders) == list(range(1, n)), senders
+    else:
+        dist.send(torch.full((3,), float(r)), 0, group=gc, tag=5)
+        dist.send(torch.full((3,), -float(r)), 0, group=gc, tag=6)
     objs: list[object] = [None] * n
     dist.all_gather_object(objs, {"rank": r, "t": [r] * r}, group=gc)
     assert objs == [{"rank": i, "t": [i] * i} for i in range(n)]
