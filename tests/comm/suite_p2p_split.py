@@ -5,6 +5,8 @@ rank-agnostic tests (the module tier, :mod:`tests._support.rank_suite`; run by
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -97,3 +99,18 @@ def test_recv_from_any_rank_where_the_backend_cannot(comm: Communicator) -> None
     assert not comm.receives_from_any_source
     with pytest.raises(NotImplementedError, match="named rank only"):
         comm.recv(torch.empty(1), None)
+
+
+def test_a_send_waits_for_a_receiver_half_a_second_late(comm: Communicator) -> None:
+    """A transfer's wait ends when the transfer does: gloo's failed once a timed wait slice
+    (0.1 s, to see abort()) elapsed before the peer posted its receive."""
+    if comm.world_size == 1:
+        return
+    if comm.rank == 1:
+        comm.send(torch.full((3,), 7.0), 0, tag=9)
+    elif comm.rank == 0:
+        time.sleep(0.5)
+        t = torch.empty(3)
+        comm.recv(t, 1, tag=9)
+        assert torch.equal(t, torch.full((3,), 7.0)), t
+    comm.barrier()

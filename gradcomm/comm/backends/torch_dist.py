@@ -175,6 +175,10 @@ class TorchDistCommunicator(Communicator):
     #: Whether the transport reads its interface only from ``interface_variable``, so gradcomm
     #: sets it (when unset) to the interface it chose: NCCL's bootstrap has no other input.
     exports_interface: ClassVar[bool] = False
+    #: Whether a send's or receive's wait may be cut into slices (to see :meth:`abort`): not
+    #: on gloo, where a transfer whose timed wait elapses fails ("Timed out waiting 100ms for
+    #: send operation to complete"), so a peer 0.1 s late broke it.
+    transfer_waits_sliced: ClassVar[bool] = True
 
     def __init__(self, launch: LaunchInfo, *, device: torch.device,
                  timeout: float | None) -> None:
@@ -304,16 +308,21 @@ class TorchDistCommunicator(Communicator):
     # ------------------------------------------------------------------ point-to-point
     # As bytes (see _broadcast); both sides then agree on sizes in bytes, which gloo checks.
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
-        return self._wrap(self._pg().send([flat_bytes(tensor)], dst, tag), description)
+        return self._transfer(self._pg().send([flat_bytes(tensor)], dst, tag), description)
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
-        return self._wrap(self._pg().recv([flat_bytes(tensor)], src, tag), description)
+        return self._transfer(self._pg().recv([flat_bytes(tensor)], src, tag), description)
 
     def _recv_any(self, tensor: torch.Tensor, tag: int, description: DescriptionLike) -> Work:
-        work = TorchWork(self._pg().recv_anysource([flat_bytes(tensor)], tag), description,
-                         self._timeout, self._abort_flag)
+        work = self._transfer(self._pg().recv_anysource([flat_bytes(tensor)], tag), description)
         work.any_source = True
         return work
+
+    def _transfer(self, work: dist.Work, description: DescriptionLike) -> TorchWork:
+        """A send's or receive's work: waited for in one piece where slices would break it
+        (:attr:`transfer_waits_sliced`; :meth:`abort` then does not cut its wait short)."""
+        return TorchWork(work, description, self._timeout,
+                         self._abort_flag if self.transfer_waits_sliced else None)
 
     # ------------------------------------------------------------------ sub-communicators
     def _split_child(self, plan: SplitPlan) -> TorchDistCommunicator | None:
@@ -344,8 +353,10 @@ class TorchDistCommunicator(Communicator):
     def abort(self) -> None:
         """End this communicator at once, from any thread (see :meth:`Communicator.abort`): a
         wait in progress raises RuntimeError within :data:`ABORT_POLL_S` seconds, and so does
-        every later collective. gloo has no way to cancel a running collective, so its transport
-        is released only by :meth:`close`, which blocks until that collective ends."""
+        every later collective (on gloo, a send or receive already posted waits on until it
+        completes or times out: see :attr:`transfer_waits_sliced`). gloo has no way to cancel a
+        running collective, so its transport is released only by :meth:`close`, which blocks
+        until that collective ends."""
         self._abort_flag.set()
 
     def _subgroup_child(self, plan: SplitPlan) -> TorchDistCommunicator:
