@@ -600,8 +600,8 @@ class Communicator(abc.ABC):
 
         Raises:
             TypeError: not a tensor, sparse, ``src``/``tag`` not an int, ``async_op`` not a bool.
-            ValueError: ``src`` out of range or this rank, tag out of range, wrong device,
-                elements sharing memory (``expand()``).
+            ValueError: ``src`` out of range or this rank (or None at world_size 1), tag out of
+                range, wrong device, elements sharing memory (``expand()``).
             NotImplementedError: ``src=None`` on a backend that receives from named ranks only
                 (nccl, cupy-nccl).
             RuntimeError: the communicator is closed; from ``wait()``, a size mismatch on mpi
@@ -611,6 +611,8 @@ class Communicator(abc.ABC):
         if src is None and not self.receives_from_any_source:
             raise NotImplementedError(f"the {self.backend} backend receives from a named rank "
                                       "only; pass src")
+        if src is None and self._world_size == 1:
+            raise ValueError("recv from any rank: world_size is 1, no other rank can send")
         work = self._post_transfer(
             self._prepare_transfer(P2PKind.RECV, tensor, src, tag, any_source=src is None),
             async_op)

@@ -75,6 +75,8 @@ def test_recv_from_any_rank(comm: Communicator) -> None:
     w, r = comm.world_size, comm.rank
     assert comm.receives_from_any_source
     if w == 1:
+        with pytest.raises(ValueError, match="no other rank"):
+            comm.recv(torch.empty(1), None)
         return
     if r == 0:
         senders = []
