@@ -120,8 +120,12 @@ class TorchWork(Work):
                 self._wait_once(ABORT_POLL_S if left is None else min(ABORT_POLL_S, left))
                 return
             except TimeoutError:
-                if self._work.is_completed():  # it failed by the group's own timeout
-                    raise
+                if self._work.is_completed():
+                    # Done by now: failed by the group's own timeout, or completed just after
+                    # this slice ended (a race that made a good collective fail). Its own
+                    # outcome decides: wait() returns at once, or raises its error again.
+                    self._wait_once(None)
+                    return
                 # else only this slice of the wait ended: check the flag and wait on
 
     def _wait_once(self, timeout: float | None) -> None:
