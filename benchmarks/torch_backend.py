@@ -50,7 +50,6 @@ from step_time import build_model, make_batches, quartiles, rotations
 import gradcomm
 from gradcomm.bench.results import run_metadata
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODELS = ("mlp", "conv", "transformer")
 RATIOS = (("ddp+gradcomm", "ddp+gloo"), ("ddp+gradcomm", "reducer"),
           ("fsdp2+gradcomm", "fsdp2+gloo"))
@@ -153,8 +152,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-fsdp", dest="fsdp", action="store_false",
                         help="leave out the FSDP2 variants")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON file (default: benchmarks/results/"
-                             "torch_backend_<transport>.json)")
+                        help="JSON file (default: torch_backend_<transport>.json in the "
+                             "working directory)")
     args = parser.parse_args(argv)
     for m in args.models.split(","):
         if m not in MODELS:
@@ -184,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "steps": args.steps, "warmup": args.warmup, "runs": args.runs,
                         "loadavg_end": list(os.getloadavg())},
                "results": results}
-        out = args.out or RESULTS_DIR / f"torch_backend_{args.transport}.json"
+        out = args.out or Path(f"torch_backend_{args.transport}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {out}")
