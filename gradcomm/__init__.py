@@ -28,6 +28,10 @@ from .comm import (
     register_backend,
 )
 from .hooks import GradientReducer, ShardedOptimizer, apply_gradient_allreduce
+from .torch_backend import register as _register_torch_backend
+
+# init_process_group("gradcomm") works after `import gradcomm` (no transport is imported here).
+_register_torch_backend()
 
 # A library logs, it does not print; the application decides where records go (logging HOWTO,
 # "Configuring Logging for a Library").

@@ -37,7 +37,7 @@ def test_top_level_exports_at_most_15_names_that_all_resolve() -> None:
     public = {n for n in vars(gradcomm) if not n.startswith("_")}
     # Besides __all__ only the subpackages are reachable as attributes.
     assert public - set(gradcomm.__all__) <= {"comm", "hooks", "profiler", "bench", "info",
-                                              "elastic"}, public
+                                              "elastic", "torch_backend"}, public
 
 
 @pytest.mark.parametrize("module", ["gradcomm.comm", "gradcomm.hooks", "gradcomm.profiler",

@@ -161,9 +161,13 @@ class Transfer(NamedTuple):
     kind: P2PKind
     tensor: torch.Tensor
     buf: torch.Tensor
-    peer: int
+    peer: int  # ANY_SOURCE: a receive from any rank (Communicator.recv's src=None)
     tag: int
     desc: Description
+
+
+#: :attr:`Transfer.peer` of a receive from any rank.
+ANY_SOURCE = -1
 
 
 def _check_peer(peer: object, name: str, rank: int, world_size: int) -> int:
@@ -298,6 +302,8 @@ class Communicator(abc.ABC):
     backend: ClassVar[str] = "abstract"
     #: Whether tensors must be on the communicator's device itself, not just of its type.
     exact_device: ClassVar[bool] = False
+    #: Whether :meth:`recv` takes ``src=None`` (from any rank): gloo and mpi.
+    receives_from_any_source: ClassVar[bool] = False
     #: Reduction ops the transport performs itself; others are emulated by this class.
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset({ReduceOp.SUM, ReduceOp.MIN,
                                                                   ReduceOp.MAX, ReduceOp.PRODUCT})
@@ -579,27 +585,40 @@ class Communicator(abc.ABC):
         return self._post_transfer(self._prepare_transfer(P2PKind.SEND, tensor, dst, tag),
                                    async_op)
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, *,
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: int = 0, *,
              async_op: bool = False) -> Work:
         """Receive into ``tensor``, in place, what rank ``src`` sends with :meth:`send`.
 
         Args:
             tensor: the buffer, same dtype and numel as the sent tensor; non-contiguous buffers
                 receive into a contiguous copy written back on completion.
-            src: the sending rank, ``0 <= src < world_size``, not this rank.
+            src: the sending rank, ``0 <= src < world_size``, not this rank; None: the first
+                message with ``tag`` from any rank (where :attr:`receives_from_any_source`;
+                the work's :attr:`~Work.source` then names the sender once it is complete).
             tag: the tag the sender used.
             async_op: return at once with a pending :class:`Work`.
 
         Raises:
             TypeError: not a tensor, sparse, ``src``/``tag`` not an int, ``async_op`` not a bool.
-            ValueError: ``src`` out of range or this rank, tag out of range, wrong device,
-                elements sharing memory (``expand()``).
+            ValueError: ``src`` out of range or this rank (or None at world_size 1), tag out of
+                range, wrong device, elements sharing memory (``expand()``).
+            NotImplementedError: ``src=None`` on a backend that receives from named ranks only
+                (nccl, cupy-nccl).
             RuntimeError: the communicator is closed; from ``wait()``, a size mismatch on mpi
                 (see :meth:`send`).
         """
         self._begin(async_op)
-        return self._post_transfer(self._prepare_transfer(P2PKind.RECV, tensor, src, tag),
-                                   async_op)
+        if src is None and not self.receives_from_any_source:
+            raise NotImplementedError(f"the {self.backend} backend receives from a named rank "
+                                      "only; pass src")
+        if src is None and self._world_size == 1:
+            raise ValueError("recv from any rank: world_size is 1, no other rank can send")
+        work = self._post_transfer(
+            self._prepare_transfer(P2PKind.RECV, tensor, src, tag, any_source=src is None),
+            async_op)
+        if src is not None:
+            work.source = src
+        return work
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         """Post every transfer of ``ops`` at once; return their pending works, in order.
@@ -1184,11 +1203,16 @@ class Communicator(abc.ABC):
                                work.description, what, type(exc).__name__, exc)
             pending.popleft()
 
-    def _prepare_transfer(self, kind: P2PKind, tensor: torch.Tensor, peer: int,
-                          tag: int) -> Transfer:
+    def _prepare_transfer(self, kind: P2PKind, tensor: torch.Tensor, peer: int | None,
+                          tag: int, *, any_source: bool = False) -> Transfer:
+        """Check one transfer; ``any_source`` (from :meth:`recv`, which checked that the
+        backend takes it): ``peer`` None is a receive from any rank."""
         name = "dst" if kind is P2PKind.SEND else "src"
         tail = self._checks.check(tensor, kind.value, reduction=False)
-        _check_peer(peer, name, self._rank, self._world_size)
+        if not any_source:
+            _check_peer(peer, name, self._rank, self._world_size)
+        elif peer is not None:  # pragma: no cover - recv passes any_source for src None only
+            raise ValueError("a receive from any rank takes no src")
         _check_tag(tag)
         if kind is P2PKind.RECV:
             check_writable(tensor, "recv")
@@ -1196,17 +1220,20 @@ class Communicator(abc.ABC):
         # numbered apart from collectives: only two ranks see a transfer, and debug mode
         # compares the collective sequence numbers of every rank
         desc = Description(kind.value, next(self._p2p_seq), buf.numel(), tail,
-                           f"{name}={peer} tag={tag}")
-        return Transfer(kind, tensor, buf, peer, tag, desc)
+                           f"{name}={'any' if peer is None else peer} tag={tag}")
+        return Transfer(kind, tensor, buf, ANY_SOURCE if peer is None else peer, tag, desc)
 
     def _post_transfer(self, p: Transfer, async_op: bool) -> Work:
         """Post one checked transfer (the path of send, recv and each op of a batch)."""
         if p.buf.numel() == 0:  # nothing moves; both sides see an empty tensor
             return self._complete(CompletedWork(str(p.desc), target=p.tensor), async_op,
                                   p.tensor)
-        hook = self._send if p.kind is P2PKind.SEND else self._recv
         # A receive writes back into a non-contiguous tensor; a send has nothing to write.
         target = p.tensor if p.kind is P2PKind.RECV else None
+        if p.peer == ANY_SOURCE:
+            return self._issue(p.kind.value, self._recv_any, (flat(p.buf), p.tag), p.desc,
+                               target, p.buf, None, async_op)
+        hook = self._send if p.kind is P2PKind.SEND else self._recv
         return self._issue(p.kind.value, hook, (flat(p.buf), p.peer, p.tag), p.desc, target,
                            p.buf, None, async_op)
 
@@ -1344,6 +1371,11 @@ class Communicator(abc.ABC):
               description: DescriptionLike) -> Work:
         """Start a receive."""
         raise NotImplementedError(f"the {self.backend} backend has no recv")
+
+    def _recv_any(self, tensor: torch.Tensor, tag: int, description: DescriptionLike) -> Work:
+        """Start a receive from any rank (only where :attr:`receives_from_any_source`); the
+        work sets its :attr:`~Work.source` when it completes."""
+        raise NotImplementedError(f"the {self.backend} backend has no receive from any rank")
 
     def _post_batch(self, prepared: list[Transfer]) -> list[Work]:
         """Post every checked transfer of a batch, in order; a backend whose transfers may block

@@ -135,6 +135,10 @@ class Work(abc.ABC):
     _done = False
     #: The callbacks not run yet, oldest first (a list once one is added).
     _callbacks: list[Callable[[], object]] | tuple[()] = ()
+    #: The rank a receive's data came from: ``src`` of :meth:`Communicator.recv`, or, for a
+    #: receive from any rank (``src=None``), the sender once the work is complete (None before,
+    #: and for every other operation).
+    source: int | None = None
 
     def __init__(self, description: DescriptionLike, timeout: float | None) -> None:
         self._description = description

@@ -49,6 +49,8 @@ class GlooCommunicator(TorchDistCommunicator):
 
     backend = "gloo"
     interface_variable = "GLOO_SOCKET_IFNAME"
+    receives_from_any_source = True  # ProcessGroupGloo.recv_anysource
+    transfer_waits_sliced = False  # a gloo transfer fails when a timed wait elapses
 
     def __init__(self, launch: LaunchInfo, *, timeout: float | None = 300.0) -> None:
         if not dist.is_available() or not dist.is_gloo_available():

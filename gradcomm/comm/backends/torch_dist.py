@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import dataclasses
 import datetime
 import functools
 import os
@@ -94,6 +95,8 @@ class TorchWork(Work):
         # whatever a wait asks for.
         self._group_timeout = timeout
         self._abort_flag = aborted
+        #: A receive from any rank: sets :attr:`source` once complete.
+        self.any_source = False
 
     def _limit(self, requested: float | None) -> float | None:
         cap = self._group_timeout
@@ -127,8 +130,12 @@ class TorchWork(Work):
                 self._wait_once(ABORT_POLL_S if left is None else min(ABORT_POLL_S, left))
                 return
             except TimeoutError:
-                if self._work.is_completed():  # it failed by the group's own timeout
-                    raise
+                if self._work.is_completed():
+                    # Done by now: failed by the group's own timeout, or completed just after
+                    # this slice ended (a race that made a good collective fail). Its own
+                    # outcome decides: wait() returns at once, or raises its error again.
+                    self._wait_once(None)
+                    return
                 # else only this slice of the wait ended: check the flag and wait on
 
     def _wait_once(self, timeout: float | None) -> None:
@@ -144,6 +151,9 @@ class TorchWork(Work):
             if "timed out" in text or "timeout" in text:
                 raise TimeoutError(str(exc)) from exc
             raise RuntimeError(self._failed(exc)) from exc
+        if self.any_source:
+            # the sender, as torch.distributed.recv reads it from the same work
+            self.source = self._work._source_rank()
 
     def _test(self) -> bool:
         # torch's is_completed() is also True for a collective that failed or timed out; its
@@ -179,6 +189,10 @@ class TorchDistCommunicator(Communicator):
     #: Whether the transport reads its interface only from ``interface_variable``, so gradcomm
     #: sets it (when unset) to the interface it chose: NCCL's bootstrap has no other input.
     exports_interface: ClassVar[bool] = False
+    #: Whether a send's or receive's wait may be cut into slices (to see :meth:`abort`): not
+    #: on gloo, where a transfer whose timed wait elapses fails ("Timed out waiting 100ms for
+    #: send operation to complete"), so a peer 0.1 s late broke it.
+    transfer_waits_sliced: ClassVar[bool] = True
 
     def __init__(self, launch: LaunchInfo, *, device: torch.device,
                  timeout: float | None) -> None:
@@ -308,10 +322,21 @@ class TorchDistCommunicator(Communicator):
     # ------------------------------------------------------------------ point-to-point
     # As bytes (see _broadcast); both sides then agree on sizes in bytes, which gloo checks.
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike) -> Work:
-        return self._wrap(self._pg().send([flat_bytes(tensor)], dst, tag), description)
+        return self._transfer(self._pg().send([flat_bytes(tensor)], dst, tag), description)
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
-        return self._wrap(self._pg().recv([flat_bytes(tensor)], src, tag), description)
+        return self._transfer(self._pg().recv([flat_bytes(tensor)], src, tag), description)
+
+    def _recv_any(self, tensor: torch.Tensor, tag: int, description: DescriptionLike) -> Work:
+        work = self._transfer(self._pg().recv_anysource([flat_bytes(tensor)], tag), description)
+        work.any_source = True
+        return work
+
+    def _transfer(self, work: dist.Work, description: DescriptionLike) -> TorchWork:
+        """A send's or receive's work: waited for in one piece where slices would break it
+        (:attr:`transfer_waits_sliced`; :meth:`abort` then does not cut its wait short)."""
+        return TorchWork(work, description, self._timeout,
+                         self._abort_flag if self.transfer_waits_sliced else None)
 
     # ------------------------------------------------------------------ sub-communicators
     def _split_child(self, plan: SplitPlan) -> TorchDistCommunicator | None:
@@ -342,8 +367,10 @@ class TorchDistCommunicator(Communicator):
     def abort(self) -> None:
         """End this communicator at once, from any thread (see :meth:`Communicator.abort`): a
         wait in progress raises RuntimeError within :data:`ABORT_POLL_S` seconds, and so does
-        every later collective. gloo has no way to cancel a running collective, so its transport
-        is released only by :meth:`close`, which blocks until that collective ends."""
+        every later collective (on gloo, a send or receive already posted waits on until it
+        completes or times out: see :attr:`transfer_waits_sliced`). gloo has no way to cancel a
+        running collective, so its transport is released only by :meth:`close`, which blocks
+        until that collective ends."""
         self._abort_flag.set()
 
     def _subgroup_child(self, plan: SplitPlan) -> TorchDistCommunicator:
@@ -356,6 +383,12 @@ class TorchDistCommunicator(Communicator):
 
     def _close(self) -> None:
         group, self._group = self._group, None
+        # The store's last reference goes now, not at the next garbage collection (the
+        # communicator's helpers hold bound methods of it): a TCPStore this rank serves frees
+        # its port, so a next init_process_group may listen there again.
+        self._store = None
+        self.launch = dataclasses.replace(self.launch, store=None)
+        self._unobserved.clear()  # their torch works hold the transport, and it the store
         atexit.unregister(self._close_at_exit)
         shutdown = getattr(group, "shutdown", None)
         if shutdown is not None:

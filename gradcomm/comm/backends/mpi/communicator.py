@@ -123,6 +123,7 @@ class MPICommunicator(Communicator):
     """
 
     backend = "mpi"
+    receives_from_any_source = True  # MPI_ANY_SOURCE; the status names the sender
     native_reduce_ops = frozenset({ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
     _comm: MPIModule.Intracomm | None
     _adapter: Any
@@ -345,6 +346,9 @@ class MPICommunicator(Communicator):
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, description: DescriptionLike) -> Work:
         work, (buf,) = self._work(description, (tensor, False, True), expect_bytes=tensor.nbytes)
         return self._post(work, self.mpi_comm.Irecv, [buf, MPI.BYTE], src, tag)
+
+    def _recv_any(self, tensor: torch.Tensor, tag: int, description: DescriptionLike) -> Work:
+        return self._recv(tensor, MPI.ANY_SOURCE, tag, description)  # the status names the sender
 
     # ------------------------------------------------------------------ sub-communicators
     def _split_child(self, plan: SplitPlan) -> Communicator | None:

@@ -239,6 +239,8 @@ class ProgressThread:
                 work.finished(RuntimeError(f"{work.description}: received {got} bytes, the "
                                            f"buffer holds {work.expect_bytes}"))
             else:
+                if work.expect_bytes is not None:  # a receive: its sender (src=None: any)
+                    work.source = status.Get_source()
                 work.finished()
         self._transfers = pending
 
