@@ -1,10 +1,10 @@
 """The module tier of ``tests/hooks``: the rank-agnostic suite modules, one launch per backend and
 world size (:mod:`tests._support.rank_suite`), every test one pytest item per run.
 
-``threads`` at 1 rank runs in this process (the fast tier); ``gloo`` at 2 ranks is one spawned group,
-``mpi`` at 1, 2 and 3 ranks one ``mpiexec`` each (three ranks, the odd world size that uneven
-shards need, on mpi and threads: gloo's collectives at 3 ranks are the comm tier's). Each suite test lists the runs it
-holds on.
+``threads`` at 1 rank runs in this process (the fast tier); ``gloo`` at 2 ranks is one spawned
+group, ``mpi`` at 1, 2 and 3 ranks one ``mpiexec`` each (three ranks, the odd world size that
+uneven shards need, on mpi: gloo's collectives at 3 ranks are the comm tier's). Each suite test
+lists the runs it holds on.
 """
 
 from __future__ import annotations
