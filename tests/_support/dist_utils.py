@@ -119,11 +119,15 @@ def popen_rank(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, env: Mapping[str, str],
-    args: tuple[Any, ...], results: Any,
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, base: Mapping[str, str],
+    env: Mapping[str, str], args: tuple[Any, ...], results: Any,
 ) -> None:
+    # A forked rank holds the fork server's environment: take the test's (``base``), as a
+    # spawned one would.
+    os.environ.clear()
     os.environ.update(
         {
+            **base,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(rank),
@@ -139,6 +143,17 @@ def _child(
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
+
+
+def _rank_context() -> Any:
+    """The multiprocessing context that starts ranks: "forkserver", its server having imported
+    torch once. Each rank is still a process of its own, forked from a server that has never
+    built a process group or touched MPI or a device, so it starts as a spawned one would (the
+    test's environment, ``sys.path`` and working directory) without importing torch again:
+    spawning made torch's import most of what a short multi-process test cost."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
 
 
 def run_processes(
@@ -157,12 +172,13 @@ def run_processes(
     ``("error", traceback_text)`` instead of failing the test.
     """
     note_launch("multiprocess")
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
-            target=_child, args=(fn, r, world_size, port, dict(env or {}), args, results),
+            target=_child,
+            args=(fn, r, world_size, port, dict(os.environ), dict(env or {}), args, results),
             daemon=True,
         )
         for r in range(world_size)
