@@ -6,6 +6,7 @@ are killed, and a failing rank's traceback is returned to the test process and s
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import importlib
 import importlib.util
@@ -29,6 +30,8 @@ import pytest
 SUPPORT_DIR = Path(__file__).resolve().parent
 TESTS_DIR = SUPPORT_DIR.parent
 REPO_ROOT = TESTS_DIR.parent
+#: Seconds each live child of a timed-out run gets to write its stacks before they are killed.
+STACK_DUMP_WAIT_S = 1.0
 #: Scripts run under ``mpiexec`` (``MPI_SCRIPTS``) and on simulated hosts (``MULTIHOST_SCRIPTS``).
 MPI_SCRIPTS = SUPPORT_DIR / "mpi_scripts"
 MULTIHOST_SCRIPTS = SUPPORT_DIR / "multihost_scripts"
@@ -122,6 +125,8 @@ def _child(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, base: Mapping[str, str],
     env: Mapping[str, str], args: tuple[Any, ...], results: Any,
 ) -> None:
+    # On a timeout the parent sends SIGUSR1: every thread's stack goes to stderr (pytest shows it).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # A forked rank holds the fork server's environment: take the test's (``base``), as a
     # spawned one would.
     os.environ.clear()
@@ -191,8 +196,10 @@ def run_processes(
         while len(got) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
+                _dump_stacks({i: p for i, p in enumerate(procs) if i not in got})
                 pytest.fail(
-                    f"processes did not finish within {timeout} s; ranks done: {sorted(got)}"
+                    f"processes did not finish within {timeout} s; ranks done: {sorted(got)} "
+                    "(the others' stacks are in the captured stderr)"
                 )
             try:
                 rank, status, value = results.get(timeout=min(left, 0.5))
@@ -221,6 +228,20 @@ def run_processes(
         else:
             out.append(value)
     return out
+
+
+def _dump_stacks(procs: Mapping[int, Any]) -> None:
+    """Have each live process of ``procs`` (by rank) write every thread's stack to stderr (the
+    SIGUSR1 handler :func:`_child` registers), one rank after the other, under a heading."""
+    for rank, p in procs.items():
+        if p.is_alive() and p.pid is not None:
+            print(f"--- rank {rank} (pid {p.pid}): stacks at the timeout ---", file=sys.stderr,
+                  flush=True)
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+            time.sleep(STACK_DUMP_WAIT_S)
 
 
 def spawn(fn: Callable[..., Any]) -> Callable[..., list[Any]]:
