@@ -1189,10 +1189,15 @@ class Communicator(abc.ABC):
         completion steps (a copy-back into a non-contiguous tensor, the division of an emulated
         AVG) run even when the caller dropped the :class:`Work`, at the latest at the next
         operation. An error there is logged, and kept for that work's ``wait()``: raised here,
-        it would make this rank alone skip the operation the others start."""
+        it would make this rank alone skip the operation the others start. A work handed off
+        (:meth:`Work.hand_off`) is dropped untested: its waiter, perhaps on another thread,
+        finishes it."""
         pending = self._unobserved
         while pending:
             work = pending[0]
+            if work._handed_off:
+                pending.popleft()
+                continue
             try:
                 if not work.is_completed():
                     return

@@ -135,6 +135,8 @@ class Work(abc.ABC):
     _done = False
     #: The callbacks not run yet, oldest first (a list once one is added).
     _callbacks: list[Callable[[], object]] | tuple[()] = ()
+    #: True once handed to a waiter of its own (see hand_off): its communicator leaves it alone.
+    _handed_off = False
     #: The rank a receive's data came from: ``src`` of :meth:`Communicator.recv`, or, for a
     #: receive from any rank (``src=None``), the sender once the work is complete (None before,
     #: and for every other operation).
@@ -181,6 +183,19 @@ class Work(abc.ABC):
     @abc.abstractmethod
     def _test(self) -> bool:
         """Return True when the transport is done, without blocking."""
+
+    def hand_off(self) -> None:
+        """Promise that :meth:`wait` will be called on this work, perhaps on another thread,
+        while its communicator goes on with later operations: the communicator then leaves it
+        alone. (A pending work is otherwise finished by the communicator's next operation once
+        complete, so that a dropped work's completion steps still run.)
+
+        A work is not thread-safe: an operation testing it while another thread waits on it
+        runs its completion steps on both threads at once, and on gloo calls a send's or
+        receive's torch ``wait()`` a second time, which blocks until gloo's timeout. Call it on
+        the thread that uses the communicator, before that thread's next operation.
+        """
+        self._handed_off = True
 
     def add_callback(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` once, after the transport completes and before :meth:`wait` returns.

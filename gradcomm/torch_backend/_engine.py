@@ -170,6 +170,11 @@ class Engine:
         return still
 
     def _wait_elsewhere(self, posted: list[Work], work: GradcommWork) -> None:
+        # Before the next operation: the communicator must not test them while they are waited
+        # for on a delivery thread (a gloo transfer waited twice blocks until gloo's timeout).
+        for one in posted:
+            one.hand_off()
+
         def wait() -> None:
             try:
                 for one in posted:

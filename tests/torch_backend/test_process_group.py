@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm.comm import CollectiveTimeoutError
-from gradcomm.comm.backends.threads import ThreadGroup
+from gradcomm.comm import CollectiveTimeoutError, Work
+from gradcomm.comm.backends.threads import ThreadCommunicator, ThreadGroup
+from gradcomm.comm.work import DescriptionLike
 from gradcomm.torch_backend import GradcommWork, ProcessGroupGradcomm
 
 N = 3
@@ -149,6 +150,78 @@ def test_both_ranks_send_before_receiving_without_blocking() -> None:
         return got
 
     assert [t[0].item() for t in on_ranks(body, n=2)] == [1.0, 0.0]
+
+
+class _GlooTransfer(Work):
+    """A gloo send as torch's ProcessGroupGloo has it: done only inside wait(), done for
+    is_completed() once a wait has returned in C++, and a second wait() blocks until gloo's
+    timeout (here it raises). Its first wait pauses between the two (where Python had not yet
+    taken the GIL back) until ``resume`` is set."""
+
+    def __init__(self, description: DescriptionLike, resume: threading.Event) -> None:
+        super().__init__(description, None)
+        self.resume = resume
+        self.transport_done = threading.Event()
+        self.waited_twice = False
+
+    def _wait(self, timeout: float | None) -> None:
+        if self.transport_done.is_set():
+            self.waited_twice = True
+            raise RuntimeError("a gloo transfer waited twice blocks until gloo's timeout")
+        self.transport_done.set()
+        assert self.resume.wait(10)
+
+    def _test(self) -> bool:
+        if not self.transport_done.is_set():
+            return False
+        self._wait(None)  # as TorchWork._test does once torch's work is completed
+        return True
+
+
+class _GlooLikeThreads(ThreadCommunicator):
+    """Rank 0 of a thread group, named gloo (so the group waits its works on delivery threads),
+    whose sends are :class:`_GlooTransfer`."""
+
+    backend = "gloo"
+
+    def __init__(self) -> None:
+        super().__init__(ThreadGroup(2, timeout=10.0), 0)
+        self.resume = threading.Event()
+        self.sends: list[_GlooTransfer] = []
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, description: DescriptionLike
+              ) -> Work:
+        self.sends.append(_GlooTransfer(description, self.resume))
+        return self.sends[-1]
+
+
+def test_an_operation_leaves_alone_a_transfer_waited_for_on_a_delivery_thread() -> None:
+    """The engine's thread posting the next operation must not test a work that a delivery
+    thread is waiting for: on gloo, a send whose wait had just returned was waited for a second
+    time there, which blocks until gloo's timeout (30 min by default), and both ranks hung."""
+    comm = _GlooLikeThreads()
+    g = ProcessGroupGradcomm(0, 2, {"cpu": comm}, "gloo-like", 10.0)
+    try:
+        first = g.send([torch.ones(2)], 1, 0)
+        assert _until(lambda: bool(comm.sends) and comm.sends[0].transport_done.is_set())
+        second = g.send([torch.ones(2)], 1, 0)  # posted while the first's wait returns
+        assert _until(lambda: len(comm.sends) == 2)
+        comm.resume.set()
+        first.wait(datetime.timedelta(seconds=10))
+        second.wait(datetime.timedelta(seconds=10))
+        assert not comm.sends[0].waited_twice
+    finally:
+        comm.resume.set()
+        g.shutdown()
+
+
+def _until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def test_future_completes_by_itself_off_the_engine_thread_with_the_tensors() -> None:
