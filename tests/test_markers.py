@@ -2,8 +2,8 @@
 (spawned ranks, torchrun), and ``slow``, so the fast tier (``-m "not slow"``) starts none.
 
 conftest.py checks what each test launched through ``dist_utils`` (run_processes, run_mpi,
-run_command, popen_rank); this module checks that tests launch only through those, and that the
-check itself finds a missing marker.
+run_command, popen_rank, fork_rank); this module checks that tests launch only through those,
+and that the check itself finds a missing marker.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def test_tests_start_processes_only_through_dist_utils() -> None:
                if p.name != "dist_utils.py"]
     modules = [*sorted(TESTS_DIR.rglob("test_*.py")), *helpers]
     found = [hit for path in modules for hit in _direct_launches(path)]
-    assert found == [], "start ranks with dist_utils (run_processes, run_mpi, popen_rank)"
+    assert found == [], ("start ranks with dist_utils (run_processes, run_mpi, popen_rank, "
+                         "fork_rank)")
 
 
 def test_missing_markers_are_found() -> None:

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import runpy
 import shutil
 import signal
 import socket
@@ -119,6 +120,58 @@ def popen_rank(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
     """``subprocess.Popen(cmd, **kwargs)`` for one rank of a job a test starts by hand."""
     note_launch("multiprocess")
     return subprocess.Popen(list(cmd), **kwargs)
+
+
+class ForkedRank:
+    """A process :func:`fork_rank` started: the part of :class:`subprocess.Popen` a test uses."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status; ``-N`` after signal N; None while it runs."""
+        return self._process.exitcode  # type: ignore[no-any-return]
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Raises: subprocess.TimeoutExpired: still running after ``timeout`` seconds."""
+        self._process.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout or 0.0)
+        return self.returncode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+def _run_module(module: str, args: list[str], stderr: str, env: Mapping[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO_ROOT)
+    with open(os.devnull, "w") as null, open(stderr, "w") as err:
+        os.dup2(null.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def fork_rank(module: str, args: Sequence[str], *, stderr: Path,
+              env: Mapping[str, str] | None = None) -> ForkedRank:
+    """Run ``python -m module args`` as a process forked from the fork server of
+    :func:`_rank_context` (torch already imported), in the repository root, with ``env``
+    (default: this process's), stdout discarded and stderr written to ``stderr``. For tests
+    that start many short-lived ranks of a job by hand (each one a process of its own: it can
+    be killed, stopped and waited for like one :func:`popen_rank` starts)."""
+    note_launch("multiprocess")
+    process = _rank_context().Process(
+        target=_run_module, args=(module, list(args), str(stderr), dict(env or os.environ)),
+        daemon=True)
+    process.start()
+    return ForkedRank(process)
 
 
 def _child(

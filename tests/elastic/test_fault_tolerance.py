@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 from gradcomm.elastic.coordinator import serve
 
-from tests._support.dist_utils import REPO_ROOT, child_env, popen_rank
+from tests._support.dist_utils import ForkedRank, child_env, fork_rank
 from tests._support.elastic_case import max_rel_diff, reference
 
 WORKER = "tests._support.elastic_worker"
@@ -50,15 +49,14 @@ class Job:
         self.address = f"127.0.0.1:{self.store.port}"
         self.dir = tmp_path
         self.options = {"steps": STEPS, "heartbeat-timeout": HEARTBEAT_TIMEOUT, **options}
-        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.procs: dict[str, ForkedRank] = {}
 
     def start(self, name: str, *args: str) -> None:
         opts = [f"--{k}={v}" for k, v in self.options.items()] + list(self.flags)
-        self.procs[name] = popen_rank(
-            [sys.executable, "-m", WORKER, "--coordinator", self.address,
-             "--out", str(self.dir / f"{name}.pt"), *opts, *args],
-            stdout=subprocess.DEVNULL, stderr=(self.dir / f"{name}.log").open("w"),
-            cwd=REPO_ROOT, env=child_env(), text=True)
+        self.procs[name] = fork_rank(
+            WORKER, ["--coordinator", self.address, "--out", str(self.dir / f"{name}.pt"),
+                     *opts, *args],
+            stderr=self.dir / f"{name}.log", env=child_env())
 
     def step(self) -> int:
         return int(self.store.get("test/step")) if self.store.check(["test/step"]) else -1
