@@ -49,13 +49,13 @@ def verified(comm: gradcomm.Communicator, name: str, cases: rc.Cases | None = No
 # three ranks' values in an order that depends on where an element lies in the buffer, so
 # gradients reduced in buckets and in place differ in rounding (the bit-for-bit check). Two
 # values add exactly alike in either order.
-@on("threads-1", "threads-2", "gloo-2", "mpi-1", "mpi-2", "mpi-3")
+@on("threads-1", "threads-2", "gloo-2", "mpi-2", "mpi-3")
 def test_gradients_equal_one_process_on_the_global_batch(comm: gradcomm.Communicator) -> None:
     assert reducer_values(comm) == (comm.rank, comm.world_size, comm.backend)
 
 
 # ----------------------------------------------------------------------------- backward passes
-@on(*TWO_AND_THREE, "mpi-3", "mpi-1")
+@on(*TWO_AND_THREE, "mpi-3", "threads-1")
 def test_no_sync_accumulates(comm: gradcomm.Communicator) -> None:
     verified(comm, "no_sync")
 
@@ -76,12 +76,12 @@ def test_a_backward_that_raised_on_one_rank(comm: gradcomm.Communicator) -> None
 
 
 # ----------------------------------------------------------------------------- module state
-@on(*TWO_AND_THREE, "mpi-1")
+@on(*TWO_AND_THREE, "threads-1")
 def test_buffers(comm: gradcomm.Communicator) -> None:
     verified(comm, "buffers")
 
 
-@on(*TWO_AND_THREE, "mpi-1")
+@on(*TWO_AND_THREE, "threads-1")
 def test_degenerate_models(comm: gradcomm.Communicator) -> None:
     verified(comm, "degenerate")
 
@@ -116,6 +116,6 @@ def test_sparse_gradients_and_integer_average(comm: gradcomm.Communicator) -> No
 
 
 # 3 ranks: the fp32 upcast path of half precision (the thread backend has none)
-@on("threads-2", "gloo-2", "mpi-2", "mpi-3", "mpi-1")
+@on("threads-2", "gloo-2", "mpi-2", "mpi-3", "threads-1")
 def test_half_precision(comm: gradcomm.Communicator) -> None:
     verified(comm, "half")
