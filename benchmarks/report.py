@@ -29,6 +29,7 @@ BASELINES = (
     ("sendrecv.json", "Send/recv sweep"),
     ("sharded_memory.json", "Sharded data parallel memory"),
     ("elastic.json", "Fault tolerance: recovery, rejoin, step time"),
+    ("torch_backend.json", "torch DDP and FSDP2 over the \"gradcomm\" backend"),
 )
 PLOT = "allreduce_busbw.png"
 # step_time.py's models of many small parameter tensors (its MANY_PARAM_MODELS): the only ones
@@ -300,8 +301,35 @@ def elastic_tables(doc: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def torch_backend_tables(doc: dict[str, Any]) -> list[str]:
+    """benchmarks/torch_backend.py: DDP and FSDP2 step time over "gradcomm" and torch's gloo."""
+    meta = doc["meta"]
+    out = [
+        *provenance(meta),
+        f"Transport {meta['transport']}, {meta['world_size']} ranks; per run {meta['steps']} "
+        "interleaved steps of each variant: median step ms (IQR), then the median over rounds "
+        "of each round's ratio (targets: ddp+gradcomm / ddp+gloo at most 0.85 on mpi, "
+        "ddp+gradcomm / reducer at most 1.05).",
+        "",
+    ]
+    for res in doc["results"]:
+        variants = list(res["runs"][0]["median_ms"])
+        ratios = list(res["runs"][0]["ratios"])
+        out += [f"*{res['model']}*", "",
+                "| run | " + " | ".join(variants + ratios) + " |",
+                "|---|" + "---:|" * (len(variants) + len(ratios))]
+        for i, run in enumerate(res["runs"], 1):
+            cells = [f"{run['median_ms'][v]:.1f} ({run['iqr_ms'][v]:.1f})" for v in variants]
+            cells += [f"{run['ratios'][r]:.3f}" for r in ratios]
+            out.append(f"| {i} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
 def tables(doc: dict[str, Any]) -> list[str] | None:
     """The markdown of any benchmark result, or None for a file that is not one."""
+    if "transport" in doc.get("meta", {}):
+        return torch_backend_tables(doc)
     if "elastic" in doc:
         return elastic_tables(doc)
     if "sharded" in doc:

@@ -602,7 +602,8 @@ def test_docs_results_page_is_generated_from_the_baselines() -> None:
     names = {p.name for p in (REPO_ROOT / "benchmarks" / "results").iterdir()}
     assert names == {"step_time.json", "step_breakdown.json", "call_overhead.json",
                      "allreduce.json", "allreduce_busbw.png", "collectives.json", "sendrecv.json",
-                     "consistency_overhead.json", "sharded_memory.json", "elastic.json"}
+                     "consistency_overhead.json", "sharded_memory.json", "elastic.json",
+                     "torch_backend.json"}
     for name in names - {"allreduce_busbw.png"}:
         meta = json.loads((REPO_ROOT / "benchmarks" / "results" / name).read_text())["meta"]
         for key in ("commit", "dirty", "machine", "torch", "mpi", "date_utc", "command"):
