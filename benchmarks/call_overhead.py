@@ -142,14 +142,14 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the numbers here (benchmarks/report.py "
                    "prints them as a table)")
     args = p.parse_args()
+    if any(b < 4 or b % 4 for b in args.bytes) or not args.seconds > 0 or args.block < 1:
+        p.error("every --bytes must be a positive multiple of 4 (float32 data), --seconds > 0, "
+                "--block >= 1")
     from mpi4py import MPI
 
     import gradcomm
     from gradcomm.bench.results import run_metadata
 
-    if any(b < 4 or b % 4 for b in args.bytes) or not args.seconds > 0 or args.block < 1:
-        p.error("every --bytes must be a positive multiple of 4 (float32 data), --seconds > 0, "
-                "--block >= 1")
     world = MPI.COMM_WORLD
     n = world.Get_size()
     if n < 2:  # one process, or torchrun (whose ranks are MPI singletons)

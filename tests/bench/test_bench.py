@@ -4,6 +4,7 @@ assertions: only that the output has nccl-tests' columns with positive, finite v
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -517,16 +518,31 @@ def test_step_breakdown_refuses_one_process() -> None:
 
 
 @pytest.mark.slow
+def test_call_overhead_refuses_one_process() -> None:
+    # one process: nothing to compare (MPI is initialised to see that, so not in this process)
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "call_overhead.py"),
+                           "--seconds", "1"], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert proc.returncode == 2 and "mpiexec with 2 or more ranks" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--seconds", "1"], "mpiexec with 2 or more ranks"),  # one process: nothing to compare
     (["--bytes", "6"], "multiple of 4"),  # would send 4 B and call it 6
     (["--seconds", "0"], "--seconds > 0"),
 ])
-def test_call_overhead_rejects_what_it_cannot_measure(argv: list[str], says: str) -> None:
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "call_overhead.py"),
-                           *argv], capture_output=True, text=True, timeout=120,
-                          env=child_env())
-    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+def test_call_overhead_rejects_what_it_cannot_measure(
+    argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "call_overhead", REPO_ROOT / "benchmarks" / "call_overhead.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["call_overhead.py", *argv])
+    with pytest.raises(SystemExit) as info:
+        module.main()  # refused before MPI is touched
+    assert info.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_plot_keeps_two_runs_of_the_same_sizes_apart(tmp_path: Path) -> None:
