@@ -4,7 +4,6 @@ assertions: only that the output has nccl-tests' columns with positive, finite v
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -534,14 +533,9 @@ def test_call_overhead_rejects_what_it_cannot_measure(
     argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "call_overhead", REPO_ROOT / "benchmarks" / "call_overhead.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     monkeypatch.setattr(sys, "argv", ["call_overhead.py", *argv])
     with pytest.raises(SystemExit) as info:
-        module.main()  # refused before MPI is touched
+        benchmark_module("call_overhead").main()  # refused before MPI is touched
     assert info.value.code == 2 and says in capsys.readouterr().err
 
 
