@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from gradcomm.comm import Work
+from gradcomm.comm import CollectiveTimeoutError, Work
+from gradcomm.comm.errors import MESSAGE_LIMIT, brief
 
 from ._work import GradcommWork
 
@@ -73,7 +74,10 @@ class Engine:
     def __init__(self, name: str, timeout: float | None) -> None:
         self._name = name
         self._timeout = timeout
-        self._ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        # queue.Queue, not SimpleQueue: CPython's SimpleQueue.get(timeout) can block forever
+        # when the deadline passes while it holds the queue's free lock (seen with the
+        # sub-millisecond timeouts of the polling below: a lost completion, a hung send).
+        self._ops: queue.Queue[_Op | None] = queue.Queue()
         self._closed = False
         self._lock = threading.Lock()
         self._delivery = ThreadPoolExecutor(DELIVERY_THREADS, f"gradcomm-{name}-deliver")
@@ -159,7 +163,7 @@ class Engine:
                 if posted.is_completed():
                     posted.wait()  # runs its completion steps; raises their errors
                 elif now > deadline:
-                    posted.wait(0)  # raises CollectiveTimeoutError and marks the stall
+                    self._time_out(posted)
                 else:
                     still.append((posted, work, deadline))
                     continue
@@ -168,6 +172,17 @@ class Engine:
             else:
                 self._deliver(work, None)
         return still
+
+    def _time_out(self, posted: Work) -> None:
+        """Fail ``posted``, pending past the group's timeout, as a wait on it would (the
+        communicator then refuses new operations until it completes)."""
+        try:
+            posted.wait(0)  # marks the stall; raises CollectiveTimeoutError "within 0.0 s"
+        except CollectiveTimeoutError as exc:
+            rest = (f" did not complete within {self._timeout} s (the process group's timeout); "
+                    "a rank may have died or stalled")
+            raise CollectiveTimeoutError(
+                brief(posted.description, MESSAGE_LIMIT - len(rest)) + rest) from exc.__cause__
 
     def _wait_elsewhere(self, posted: list[Work], work: GradcommWork) -> None:
         # Before the next operation: the communicator must not test them while they are waited

@@ -18,6 +18,7 @@ rounding (float16 rounding for the fp16 compression hook).
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import warnings
@@ -223,6 +224,43 @@ def point_to_point_and_objects(gc: dist.ProcessGroup, gloo: dist.ProcessGroup) -
         dist.all_reduce(t, group=gloo)
     for a, b in zip(ts, refs, strict=True):
         same(a, b, "coalesced all_reduce")
+
+
+#: Iterations per way of sending in sustained_point_to_point.
+SUSTAINED_ITERATIONS = 1000
+
+
+@check
+def sustained_point_to_point(gc: dist.ProcessGroup, gloo: dist.ProcessGroup) -> None:
+    """Ranks 0 and 1 ping-pong SUSTAINED_ITERATIONS messages each way of sending, at sizes
+    crossing MPI's eager limit. A lost completion shows as a hang or a stale value (a queue of
+    CPython that can block past its timeout once lost one in about 2000 messages). One pair
+    only: more would share the 2 cores of the test machine and slow every one."""
+    r = dist.get_rank()
+    if r > 1:
+        return
+    peer, first = 1 - r, r == 0
+    limit = datetime.timedelta(seconds=30)
+    for way in ("send/recv", "isend/irecv", "batch_isend_irecv"):
+        for i in range(SUSTAINED_ITERATIONS):
+            n = 1 + (i * 37) % 6000
+            mine, got = torch.full((n,), float(i * 4 + r)), torch.empty(n)
+            if way == "send/recv":
+                if first:
+                    dist.send(mine, peer, group=gc)
+                    dist.recv(got, peer, group=gc)
+                else:
+                    dist.recv(got, peer, group=gc)
+                    dist.send(mine, peer, group=gc)
+            elif way == "isend/irecv":
+                works = [dist.isend(mine, peer, group=gc), dist.irecv(got, peer, group=gc)]
+                for w in works:
+                    w.wait(limit)
+            else:
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, group=gc),
+                                                 dist.P2POp(dist.irecv, got, peer, group=gc)]):
+                    w.wait(limit)
+            assert torch.all(got == i * 4 + peer), (way, i, got[:3])
 
 
 @check

@@ -307,6 +307,21 @@ def test_a_peer_that_never_comes_is_an_error_within_the_group_timeout() -> None:
     assert 0.9 < took < 10, took
 
 
+def test_a_receive_whose_sender_never_comes_fails_at_the_group_timeout() -> None:
+    def body(g: ProcessGroupGradcomm, r: int) -> float:
+        if r == 1:
+            return 0.0
+        start = time.monotonic()
+        work = g.recv([torch.empty(3)], 1, 0)
+        with pytest.raises(CollectiveTimeoutError,
+                           match=r"^recv .* within 1.0 s \(the process group's timeout\)"):
+            work.wait()
+        return time.monotonic() - start
+
+    took = on_ranks(body, n=2, timeout=20.0, group_timeout=1.0)[0]
+    assert 0.9 < took < 10, took
+
+
 def test_shutdown_joins_every_thread_and_later_calls_raise() -> None:
     before = {t.name for t in threading.enumerate()}
     threads = ThreadGroup(1)

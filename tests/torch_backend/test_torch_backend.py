@@ -23,7 +23,8 @@ def _checks(rank: int, world_size: int) -> list[str]:
     return backend_checks.check_all(rank, world_size)
 
 
-EXPECTED = ["collectives", "point_to_point_and_objects", "works_and_errors", "ddp",
+EXPECTED = ["collectives", "point_to_point_and_objects", "sustained_point_to_point",
+            "works_and_errors", "ddp",
             "zero_redundancy_optimizer", "fsdp2_mixed_precision", "dtensor_redistribute",
             "two_dim_mesh", "new_group_of_some_ranks"]
 #: At 4 ranks these run again on sub-groups of 3 ranks (backend_checks.in_subgroups).
