@@ -95,12 +95,18 @@ def test_gloo_under_mpiexec_stalled_rank_ends_the_job() -> None:
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_uncaught_error_aborts_the_job() -> None:
+@pytest.mark.parametrize("api", ["gradcomm", "torch"])
+def test_uncaught_error_aborts_the_job_with_its_traceback(api: str) -> None:
     # Rank 0 would wait 300 s in its barrier; the abort hook ends the job when rank 1 raises.
-    proc = run_mpi(SCRIPTS / "mpi_backend_abort.py", 2, ["300"], timeout=40, check=False)
+    # Through torch, torch's excepthook holds the traceback in a buffer until the hooks it wraps
+    # return: the abort must not lose it.
+    proc = run_mpi(SCRIPTS / "mpi_backend_abort.py", 2, ["300", api], timeout=40, check=False,
+                   env={"GRADCOMM_BACKEND": "mpi"})
     out = proc.stdout
     assert proc.returncode != 0, out
-    assert "deliberate failure on rank 1" in out, out
+    assert re.search(r"Traceback \(most recent call last\):\n(.*\n)*ValueError: deliberate "
+                     r"failure on rank 1\ngradcomm: uncaught", out), out
+    assert out.count("ValueError: deliberate failure on rank 1") == 1, out
     # gradcomm's own line (the launcher's "application called MPI_Abort" can be lost in teardown).
     assert "gradcomm: uncaught ValueError on rank 1: aborting the MPI job" in out, out
     assert not _results(out, "barrier-timeout"), out

@@ -62,6 +62,7 @@ def install_abort_hook() -> bool:
                 from mpi4py import MPI
 
                 if MPI.Is_initialized() and not MPI.Is_finalized():
+                    _release_capture()
                     abort_job(f"uncaught {exc_type.__name__} on rank "
                               f"{MPI.COMM_WORLD.Get_rank()}: aborting the MPI job (MPI_Abort; "
                               f"{ABORT_ENV_VAR}=0 turns this off)")
@@ -86,6 +87,27 @@ def abort_job(why: str) -> None:
             pass
     time.sleep(_ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(1)
+
+
+def _release_capture() -> None:
+    """Write out what an outer excepthook captured, and print the rest to the real stderr.
+
+    torch.distributed's hook (``init_process_group``) runs the hooks below it with
+    ``sys.stderr`` swapped for a buffer and prints the buffer, with ``[rankN]:`` prefixes, only
+    after they return: the abort would lose the traceback."""
+    captured = sys.stderr
+    if captured is sys.__stderr__ or sys.__stderr__ is None:
+        return
+    getvalue = getattr(captured, "getvalue", None)
+    if getvalue is None:  # a stream of the user's (a log file): theirs to keep
+        return
+    try:
+        sys.__stderr__.write(getvalue())
+        captured.seek(0)  # written: the outer hook, should it still run, prints nothing twice
+        captured.truncate()
+    except Exception:  # noqa: BLE001 - the abort must still happen
+        pass
+    sys.stderr = sys.__stderr__
 
 
 def _say(line: str) -> None:
