@@ -281,6 +281,25 @@ def test_every_reduce_op_and_dtype(comm: Communicator) -> None:
     check_reductions(comm, EXACT_DTYPES + HALF_DTYPES)
 
 
+def test_bool_reductions_are_a_logical_or_and(comm: Communicator) -> None:
+    """On backends that reduce bool (mpi, gloo, as torch's gloo does): SUM and MAX are a logical
+    or, PRODUCT and MIN a logical and; AVG is refused."""
+    if not comm.supports(torch.bool).is_supported:
+        pytest.skip(f"{comm.backend} does not reduce bool")
+
+    def mine(rank: int) -> torch.Tensor:  # each rank's own pattern of True
+        return (torch.arange(12) + rank) % (comm.world_size + 1) != 0
+
+    every = torch.stack([mine(r) for r in range(comm.world_size)])
+    for op, expected in ((ReduceOp.SUM, every.any(0)), (ReduceOp.MAX, every.any(0)),
+                         (ReduceOp.PRODUCT, every.all(0)), (ReduceOp.MIN, every.all(0))):
+        t = mine(comm.rank)
+        comm.all_reduce(t, op)
+        assert t.dtype == torch.bool and torch.equal(t, expected), (op, t, expected)
+    with pytest.raises(TypeError, match="AVG"):
+        comm.all_reduce(mine(comm.rank), ReduceOp.AVG)
+
+
 def test_broadcast_all_gather_barrier(comm: Communicator) -> None:
     check_broadcast_gather_barrier(comm)
 
@@ -329,8 +348,8 @@ def test_thread_ranks_issued_the_same_collectives(comm: Communicator) -> None:
 
 # ----------------------------------------------------------------------------- other collectives
 def _dtypes(comm: Communicator) -> list[torch.dtype]:
-    """The dtypes the other collectives are checked in: gloo without int16 and bool."""
-    extra = [] if comm.backend == "gloo" else [torch.int16, torch.bool]
+    """The dtypes the other collectives are checked in: gloo without int16."""
+    extra = [torch.bool] if comm.backend == "gloo" else [torch.int16, torch.bool]
     return coll_cases.FLOATS + coll_cases.INTS + coll_cases.HALF + extra
 
 

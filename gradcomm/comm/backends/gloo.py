@@ -28,7 +28,8 @@ from .torch_dist import TorchDistCommunicator
 
 __all__ = ["GlooCommunicator"]
 
-_NATIVE = {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
+_NATIVE = {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64,
+           torch.bool}
 _SLOW = {torch.float16, torch.bfloat16}
 
 
