@@ -5,6 +5,7 @@ rank-agnostic tests (the module tier, :mod:`tests._support.rank_suite`; run by
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -29,6 +30,35 @@ def test_mpi_transfers_short_messages_dropped_works_device_path(comm: Communicat
     """A shorter message is refused by the receive's count check, a longer one by MPI; dropped
     sends complete; then point-to-point through the device-buffer path without a GPU."""
     assert checks.mpi_checks(comm) > 0
+
+
+@rank_suite.only(lambda run: run.backend == "gloo" and run.world_size == 2)
+def test_a_group_closed_right_after_its_split_fails_no_peer(comm: Communicator) -> None:
+    """gloo's connect is not a barrier: a rank that closed its new group at once, while a busy
+    peer still completed its side of the connect, failed that peer ("Connection closed by
+    peer"; 5 of 6 such runs failed before split waited for every rank). Two ranks suffice."""
+    stop = threading.Event()
+
+    def burn() -> None:  # keeps the cores busy, outside the GIL, so that ranks get preempted
+        a = torch.randn(400, 400)
+        while not stop.is_set():
+            a @ a
+
+    burners = [threading.Thread(target=burn, daemon=True) for _ in range(2)]
+    for b in burners:
+        b.start()
+    try:
+        for _ in range(100):
+            child = comm.split(0)
+            assert child is not None
+            child.close()
+    finally:
+        stop.set()
+        for b in burners:
+            b.join()
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    assert t.tolist() == [comm.world_size] * 3
 
 
 def test_closing_a_parent_closes_its_children(comm: Communicator) -> None:

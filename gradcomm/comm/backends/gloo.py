@@ -78,6 +78,10 @@ class GlooCommunicator(TorchDistCommunicator):
             opts._timeout = td
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_address)]
             group = dist.ProcessGroupGloo(store, launch.rank, launch.world_size, opts)
+        # gloo's connect is not a barrier: a rank may finish it while a peer still completes its
+        # side, and a rank that closes the group at once (split, then close) would fail that
+        # peer's connect ("Connection closed by peer"). No rank returns before every rank has.
+        group.barrier().wait()  # type: ignore[attr-defined]  # stubs say Backend has none
         return group  # type: ignore[return-value]  # stubs say Backend; the methods are the same
 
     @property
