@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from gradcomm.comm import Launcher, LaunchInfo, detect_launch
@@ -250,3 +252,21 @@ def test_mpi_under_a_launcher_that_is_not_mpis_says_to_start_the_job_with_mpiexe
         check_launch_matches_mpi(_AloneInMPI(), LaunchInfo(1, 2, 1, 2, launcher))
     text = str(info.value)
     assert hint in text and "mpiexec -n 2" in text and "disagree" not in text, text
+
+
+@pytest.mark.parametrize(("env", "hint"), [
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "torchrun started 2 ranks"),
+    ({}, "rank and world_size ask for 2 ranks")])
+def test_explicit_ranks_alone_in_mpi_name_who_set_them(monkeypatch: pytest.MonkeyPatch,
+                                                       env: dict[str, str], hint: str) -> None:
+    # init_process_group("gradcomm") passes torchrun's rank and world size as arguments.
+    for name in list(os.environ):
+        if name.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "PMI_", "OMPI_", "PMIX_", "SLURM_",
+                            "MV2_", "MPI_")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError) as info:
+        check_launch_matches_mpi(_AloneInMPI(), LaunchInfo(1, 2, 1, 2, Launcher.EXPLICIT))
+    text = str(info.value)
+    assert hint in text and "mpiexec -n 2" in text and "explicit" not in text, text

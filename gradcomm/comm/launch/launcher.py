@@ -278,10 +278,15 @@ def check_launch_matches_mpi(world: Any, launch: LaunchInfo) -> None:
     mine = (world.Get_rank(), world.Get_size(), launch.rank, launch.world_size)
     if mine[1] == 1 and launch.world_size > 1 and not launch.launcher.is_mpi:
         # e.g. torchrun's ranks: each process is an MPI job of its own, so MPI cannot connect them
+        starter = launch.launcher
+        if starter is Launcher.EXPLICIT:  # whose variables gave the arguments (torch's backend
+            starter = detect_launch().launcher  # passes torchrun's rank and world size)
+        said = (f"{starter.value} started" if starter not in (Launcher.EXPLICIT, Launcher.SINGLE)
+                else "rank and world_size ask for")
         raise RuntimeError(
-            f"MPI sees this process alone, but {launch.launcher.value} started "
-            f"{launch.world_size} ranks: start the job with mpiexec -n {launch.world_size} (srun: "
-            "--mpi=pmix) for MPI, or use the gloo backend under this launcher")
+            f"MPI sees this process alone, but {said} {launch.world_size} ranks: start the job "
+            f"with mpiexec -n {launch.world_size} (srun: --mpi=pmix) for MPI, or use the gloo "
+            "backend under this launcher")
     views = [mine] if mine[1] == 1 else world.allgather(mine)
     mismatch = launch_mismatch(views, launch.launcher.value)
     if mismatch is not None:
