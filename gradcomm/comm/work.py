@@ -21,7 +21,7 @@ import torch
 from .errors import MESSAGE_LIMIT, CollectiveTimeoutError, brief
 
 __all__ = ["Work", "CompletedWork", "Description", "DescriptionLike", "StallGuard",
-           "writing_into"]
+           "timeout_error", "writing_into"]
 
 _INF = math.inf
 
@@ -254,9 +254,7 @@ class Work(abc.ABC):
                 f" (the communicator's; the wait asked for "
                 f"{'no limit' if limit is None else f'{limit} s'})"
             )
-            rest = f" did not complete within {applied} s{cut}; a rank may have died or stalled"
-            raise CollectiveTimeoutError(
-                brief(self.description, MESSAGE_LIMIT - len(rest)) + rest) from exc
+            raise timeout_error(self.description, applied, cut) from exc
         self._finish()
 
     @staticmethod
@@ -322,6 +320,14 @@ class Work(abc.ABC):
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"
         return f"<{type(self).__name__} {self.description!r} {state}>"
+
+
+def timeout_error(description: str, seconds: float | None,
+                  note: str = "") -> CollectiveTimeoutError:
+    """The error of an operation not complete within ``seconds`` (``note``: after the figure,
+    e.g. whose timeout it was), ``description`` shortened to keep within MESSAGE_LIMIT."""
+    rest = f" did not complete within {seconds} s{note}; a rank may have died or stalled"
+    return CollectiveTimeoutError(brief(description, MESSAGE_LIMIT - len(rest)) + rest)
 
 
 class CompletedWork(Work):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from gradcomm.comm import CollectiveTimeoutError, Work
-from gradcomm.comm.errors import MESSAGE_LIMIT, brief
+from gradcomm.comm.work import timeout_error
 
 from ._work import GradcommWork
 
@@ -179,10 +179,8 @@ class Engine:
         try:
             posted.wait(0)  # marks the stall; raises CollectiveTimeoutError "within 0.0 s"
         except CollectiveTimeoutError as exc:
-            rest = (f" did not complete within {self._timeout} s (the process group's timeout); "
-                    "a rank may have died or stalled")
-            raise CollectiveTimeoutError(
-                brief(posted.description, MESSAGE_LIMIT - len(rest)) + rest) from exc.__cause__
+            raise timeout_error(posted.description, self._timeout,
+                                " (the process group's timeout)") from exc.__cause__
 
     def _wait_elsewhere(self, posted: list[Work], work: GradcommWork) -> None:
         # Before the next operation: the communicator must not test them while they are waited

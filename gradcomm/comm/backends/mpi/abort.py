@@ -90,7 +90,8 @@ def abort_job(why: str) -> None:
 
 
 def _release_capture() -> None:
-    """Write out what an outer excepthook captured, and print the rest to the real stderr.
+    """Write out what an outer excepthook captured, and point ``sys.stderr`` back at the real
+    stream for what the abort prints.
 
     torch.distributed's hook (``init_process_group``) runs the hooks below it with
     ``sys.stderr`` swapped for a buffer and prints the buffer, with ``[rankN]:`` prefixes, only
