@@ -459,10 +459,16 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -
         assert r["calls"] >= 30 and r["comm_us"] > 0 and r["baseline_us"] > 0, r
         assert math.isclose(r["diff_us"], r["comm_us"] - r["baseline_us"])
         assert math.isclose(r["ratio"], r["comm_us"] / r["baseline_us"])
+        if backend == "mpi":  # the bare hand-off to a thread, and its ratio to mpi4py's call
+            assert r["handoff_us"] > 0 and math.isclose(r["floor"],
+                                                        r["handoff_us"] / r["baseline_us"]), r
+        else:
+            assert "handoff_us" not in r, r
     shown = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"), str(out)],
                            capture_output=True, text=True, timeout=60, check=True).stdout
     first = doc["overhead"][0]
     assert f"| all_reduce | 8 | {first['calls']} | {first['comm_us']:.1f} |" in shown
+    assert ("| floor |" in shown) == (backend == "mpi"), shown
     assert len([ln for ln in proc.stdout.splitlines() if ln.split()[:1] in (["all_reduce"],
                 ["reduce_scatter"])]) == len(doc["overhead"]), proc.stdout
 
