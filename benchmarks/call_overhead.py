@@ -1,28 +1,29 @@
 """Per-call cost of gradcomm's blocking collectives against the transport's own blocking call.
 
 ``python -m gradcomm.bench`` times rounds of many calls of one kind, so slow drift of a shared
-machine lands on whichever kind ran then. This script alternates the two kinds call by call (in an
+machine lands on whichever kind ran then. This script alternates the kinds call by call (in an
 order reversed every round) on the *same* buffers, so drift cancels, and reports the median over
 calls of the max over ranks, per collective and message size:
 
 * mpi: ``comm`` = gradcomm's blocking call (checks, the progress thread, MPI's blocking call);
   ``mpi4py`` = mpi4py's blocking call on a ``Dup`` of the world communicator (``Allreduce``,
   ``Allgather``, ``Reduce_scatter_block``, ``Bcast``, ...): what a user of mpi4py gets;
-  ``handoff`` = that same mpi4py call run on a plain worker thread while the caller waits on a
-  lock, with no code of gradcomm's: the least any layer pays that keeps MPI's blocking calls off
-  the caller's thread (as it must to time out and answer Ctrl-C). ``handoff / mpi4py`` is the
-  floor of ``comm / mpi4py`` on the machine that runs it.
+  ``handoff`` = that same mpi4py call run on a plain Python worker thread while the caller waits
+  on a lock, with no code of gradcomm's: the bare hand-over that a layer written in Python pays
+  to keep MPI's blocking calls off the caller's thread (as it must to time out and answer Ctrl-C)
+  without polling. ``floor`` = handoff / mpi4py.
 * gloo (all_reduce only): ``comm`` = ``comm.all_reduce(t)``; ``raw`` =
   ``ProcessGroupGloo.allreduce([t], opts).wait(timeout)`` on the communicator's own group.
 
 Sizes are the larger buffer of one rank (the input of reduce_scatter and scatter's root, the output
-of all_gather and gather's root, the buffer of the others), float32.
+of all_gather and gather's root, the buffer of the others), float32, rounded down to a whole
+number of elements per rank. The number of calls is set from three timed rounds so that each
+(op, size) takes about ``--seconds``.
 
 Run: ``mpiexec -n 2 python benchmarks/call_overhead.py --backend mpi`` (``--json FILE`` keeps the
 numbers; ``python benchmarks/report.py FILE`` prints them). Targets (issue 33, 2 ranks, mpi):
-``comm / mpi4py`` at most 1.05 at 4-16 MiB and 1.10 at 1 MiB, at most +30 us at 64 KiB. A
-``floor`` above a target means no layer with a progress thread meets it on that machine
-(docs/performance.md).
+``comm / mpi4py`` at most 1.05 at 4-16 MiB and 1.10 at 1 MiB, at most +30 us at 64 KiB.
+docs/performance.md says what the floor shows and where it does not bound ``comm``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import _thread
 import argparse
 import datetime
 import json
+import math
 import queue
 import statistics
 import sys
@@ -47,14 +49,34 @@ from typing import Any
 import torch
 
 
-def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls: int, *,
-                      warmup: int, block: int = 1) -> dict[str, float]:
-    """Time each of ``kinds`` ``calls`` times, alternating them in turns of ``block`` calls (1:
-    call by call) in an order reversed every round (after ``warmup`` rounds); call on every rank
-    of ``world`` (an ``MPI.Comm``).
+def calls_within(world: Any, kinds: dict[str, Callable[[], object]], seconds: float) -> int:
+    """How many calls of each of ``kinds`` fit in about ``seconds`` (at least 30), from three
+    timed rounds of one call each after two untimed ones (first calls pay for connections and
+    page faults); the slowest rank's time decides, so every rank gets the same number (call on
+    every rank of ``world``, an ``MPI.Comm``)."""
+    from mpi4py import MPI
 
-    Returns, on every rank, per kind the median over calls of the slowest rank's time, in
-    microseconds.
+    def rounds(count: int) -> None:
+        for _ in range(count):
+            for call in kinds.values():
+                call()
+
+    rounds(2)
+    t0 = time.perf_counter()
+    rounds(3)
+    round_s = world.allreduce((time.perf_counter() - t0) / 3, op=MPI.MAX)
+    return max(30, int(seconds / round_s))
+
+
+def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls: int, *,
+                      warmup: int, block: int = 1) -> dict[str, dict[str, float]]:
+    """Time each of ``kinds`` at least ``calls`` times, alternating them in turns of ``block``
+    calls (1: call by call) in an order reversed every round, after ``warmup`` untimed rounds of
+    one call each; call on every rank of ``world`` (an ``MPI.Comm``).
+
+    Returns, on every rank, per kind the median and 25th percentile over calls of the slowest
+    rank's time in microseconds, and the number of calls timed (``ceil(calls / block) * block``):
+    ``{"median_us": ..., "p25_us": ..., "calls": ...}``.
     """
     names = list(kinds)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -62,7 +84,7 @@ def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls:
     for _ in range(warmup):
         for k in names:
             kinds[k]()
-    for r in range(max(1, calls // block)):
+    for r in range(-(-calls // block)):
         for k in (names if r % 2 else names[::-1]):
             call = kinds[k]
             for _ in range(block):
@@ -72,7 +94,8 @@ def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls:
     out = {}
     for k, v in times.items():
         slowest = [max(x) * 1e6 for x in zip(*world.allgather(v), strict=True)]
-        out[k] = statistics.median(slowest)
+        out[k] = {"median_us": statistics.median(slowest),
+                  "p25_us": statistics.quantiles(slowest, n=4)[0], "calls": len(slowest)}
     return out
 
 
@@ -112,7 +135,7 @@ def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int,
     from mpi4py import MPI
 
     n, root = comm.world_size, comm.rank == 0
-    count = nbytes // 4
+    count = nbytes // 4 // n * n  # whole elements per rank (see measured_bytes)
     chunk = count // n
     if op in ("all_reduce", "broadcast", "reduce", "all_to_all"):
         big = torch.zeros(count)
@@ -144,7 +167,7 @@ def gloo_kinds(comm: Any, nbytes: int) -> dict[str, Callable[[], object]]:
     """gradcomm's all_reduce and its own process group's, on one float32 buffer."""
     import torch.distributed as dist
 
-    t = torch.zeros(nbytes // 4)
+    t = torch.zeros(measured_bytes(nbytes, comm.world_size) // 4)
     pg = comm.process_group
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
@@ -152,31 +175,39 @@ def gloo_kinds(comm: Any, nbytes: int) -> dict[str, Callable[[], object]]:
     return {"comm": lambda: comm.all_reduce(t), "raw": lambda: pg.allreduce([t], opts).wait(td)}
 
 
-def calls_for(nbytes: int, budget_s: float, guess_us_per_mib: float = 600.0) -> int:
-    """How many calls of each kind fit in about ``budget_s`` seconds (at least 30)."""
-    per_call_s = (20.0 + guess_us_per_mib * nbytes / 2**20) * 1e-6
-    return max(30, int(budget_s / (2 * per_call_s)))
+def measured_bytes(nbytes: int, world_size: int) -> int:
+    """The larger buffer's size that ``--bytes nbytes`` gives: whole float32 elements per rank."""
+    return nbytes // 4 // world_size * world_size * 4
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("gloo", "mpi"), default="mpi")
-    p.add_argument("--op", choices=(*OPS, "all"), nargs="+", default=list(OPS[:4]),
+    p.add_argument("--op", choices=(*OPS, "all"), nargs="+",
                    help="the collectives (mpi; default the four of the targets; all: every one); "
-                   "gloo: all_reduce")
+                   "gloo measures all_reduce only")
     p.add_argument("--bytes", type=int, nargs="+", default=list(SIZES),
                    help="message sizes in bytes (float32 data; default 64 KiB, 1, 4, 16 MiB)")
     p.add_argument("--seconds", type=float, default=3.0,
-                   help="time budget per (op, size), sets the number of calls (default 3)")
+                   help="about how long each (op, size) is timed; sets the number of calls "
+                   "(default 3, at least 30 calls of each kind)")
     p.add_argument("--block", type=int, default=1,
                    help="calls of one kind per turn (default 1: call by call; with N, MPI's state "
-                   "stays with one thread for N calls, as it does in use)")
+                   "stays with one thread for N calls, as it does in use; each kind then makes "
+                   "at least N calls)")
     p.add_argument("--json", type=Path, help="also write the numbers here (benchmarks/report.py "
                    "prints them as a table)")
     args = p.parse_args()
-    if any(b < 4 or b % 4 for b in args.bytes) or not args.seconds > 0 or args.block < 1:
-        p.error("every --bytes must be a positive multiple of 4 (float32 data), --seconds > 0, "
-                "--block >= 1")
+    if any(b < 4 or b % 4 for b in args.bytes):
+        p.error("every --bytes must be a positive multiple of 4 (float32 data)")
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        p.error("--seconds must be a finite number > 0")
+    if args.block < 1:
+        p.error("--block must be >= 1")
+    if args.backend == "gloo" and args.op not in (None, ["all_reduce"]):
+        p.error("on gloo only all_reduce is measured: leave out --op")
+    ops = (("all_reduce",) if args.backend == "gloo" else OPS[:4] if args.op is None
+           else OPS if "all" in args.op else tuple(dict.fromkeys(args.op)))
     from mpi4py import MPI
 
     import gradcomm
@@ -189,8 +220,6 @@ def main() -> None:
                 "mpiexec -n 2 python benchmarks/call_overhead.py")
     if any(b < 4 * n for b in args.bytes):
         p.error(f"every --bytes must be >= {4 * n}: a float32 element per rank")
-    ops = (("all_reduce",) if args.backend == "gloo"
-           else OPS if "all" in args.op else tuple(args.op))
     comm = gradcomm.init(args.backend, timeout=60)
     meta = run_metadata(["mpiexec", "-n", str(n), "python", "benchmarks/call_overhead.py",
                          *sys.argv[1:]])
@@ -208,19 +237,21 @@ def main() -> None:
         for nbytes in args.bytes:
             kinds = (gloo_kinds(comm, nbytes) if raw is None or handoff is None
                      else mpi_kinds(comm, raw, op, nbytes, handoff))
-            calls = calls_for(nbytes, args.seconds)
-            us = interleaved_times(world, kinds, calls, warmup=max(3, calls // 20),
-                                   block=args.block)
-            row = {"op": op, "bytes": nbytes, "calls": calls, "comm_us": us["comm"],
-                   "baseline_us": us[baseline], "diff_us": us["comm"] - us[baseline],
-                   "ratio": us["comm"] / us[baseline]}
+            calls = calls_within(world, kinds, args.seconds)
+            times = interleaved_times(world, kinds, calls, warmup=max(3, calls // 20),
+                                      block=args.block)
+            us = {k: v["median_us"] for k, v in times.items()}
+            calls = int(times["comm"]["calls"])
+            row = {"op": op, "bytes": measured_bytes(nbytes, n), "calls": calls,
+                   "comm_us": us["comm"], "baseline_us": us[baseline],
+                   "diff_us": us["comm"] - us[baseline], "ratio": us["comm"] / us[baseline]}
             if "handoff" in us:
                 row.update(handoff_us=us["handoff"], floor=us["handoff"] / us[baseline])
             rows.append(row)
             if world.Get_rank() == 0:
                 floor = ("" if "handoff" not in us else
                          f" {row['handoff_us']:>10.1f} {row['floor']:>6.3f}")
-                print(f"{op:<15} {nbytes:>9} {calls:>6} {row['comm_us']:>9.1f} "
+                print(f"{op:<15} {row['bytes']:>9} {calls:>6} {row['comm_us']:>9.1f} "
                       f"{row['baseline_us']:>10.1f} {row['diff_us']:>+8.1f} "
                       f"{row['ratio']:>6.3f}{floor}", flush=True)
     if args.json is not None and world.Get_rank() == 0:

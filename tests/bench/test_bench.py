@@ -447,7 +447,8 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -
     out = tmp_path / "co.json"
     proc = run_mpi(REPO_ROOT / "benchmarks" / "call_overhead.py", 2,
                    ["--backend", backend, "--bytes", "8", "4096", "--seconds", "0.01",
-                    "--op", "all_reduce", "reduce_scatter", "--json", str(out)],
+                    *(["--op", "all_reduce", "reduce_scatter"] if backend == "mpi" else []),
+                    "--json", str(out)],
                    timeout=120)
     doc = json.loads(out.read_text())
     assert doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == backend
@@ -468,7 +469,7 @@ def test_call_overhead_script_runs_under_mpiexec(backend: str, tmp_path: Path) -
                            capture_output=True, text=True, timeout=60, check=True).stdout
     first = doc["overhead"][0]
     assert f"| all_reduce | 8 | {first['calls']} | {first['comm_us']:.1f} |" in shown
-    assert ("| floor |" in shown) == (backend == "mpi"), shown
+    assert ("| floor | comm - handoff us |" in shown) == (backend == "mpi"), shown
     assert len([ln for ln in proc.stdout.splitlines() if ln.split()[:1] in (["all_reduce"],
                 ["reduce_scatter"])]) == len(doc["overhead"]), proc.stdout
 
@@ -523,6 +524,29 @@ def test_step_breakdown_refuses_one_process() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.mpi
+def test_consistency_overhead_script_runs_under_mpiexec(tmp_path: Path) -> None:
+    # it shares call_overhead's timer: a change there must not break it
+    out = tmp_path / "check.json"
+    run_mpi(REPO_ROOT / "benchmarks" / "consistency_overhead.py", 2,
+            ["--sizes", "8", "--calls", "10", "--json", str(out)], timeout=120)
+    doc = json.loads(out.read_text())
+    rows = doc["check_rows"]
+    assert [(r["backend"], r["bytes"]) for r in rows] == [("gloo", 8), ("mpi", 8)]
+    for r in rows:
+        k = r["kinds"]
+        assert set(k) == {"all_reduce off", "all_reduce detail", "all_gather off",
+                          "all_gather detail"}, k
+        for v in k.values():
+            assert v["calls"] == 10 and 0 < v["p25_us"] <= v["median_us"], v
+        assert math.isclose(r["detail_ratio"],
+                            k["all_reduce detail"]["median_us"] / k["all_reduce off"]["median_us"])
+    shown = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "report.py"), str(out)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert f"| mpi | 8 | {k['all_reduce off']['median_us']:.1f} (" in shown, shown
+
+
+@pytest.mark.slow
 def test_call_overhead_refuses_one_process() -> None:
     # one process: nothing to compare (MPI is initialised to see that, so not in this process)
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "call_overhead.py"),
@@ -533,7 +557,10 @@ def test_call_overhead_refuses_one_process() -> None:
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["--bytes", "6"], "multiple of 4"),  # would send 4 B and call it 6
-    (["--seconds", "0"], "--seconds > 0"),
+    (["--seconds", "0"], "--seconds must be a finite number > 0"),
+    (["--seconds", "inf"], "--seconds must be a finite number > 0"),  # no number of calls
+    (["--block", "0"], "--block must be >= 1"),
+    (["--backend", "gloo", "--op", "broadcast"], "only all_reduce"),  # not timed silently
 ])
 def test_call_overhead_rejects_what_it_cannot_measure(
     argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch,
