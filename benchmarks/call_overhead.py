@@ -36,7 +36,6 @@ import _thread
 import argparse
 import datetime
 import json
-import math
 import queue
 import statistics
 import sys
@@ -50,22 +49,24 @@ import torch
 
 
 def calls_within(world: Any, kinds: dict[str, Callable[[], object]], seconds: float) -> int:
-    """How many calls of each of ``kinds`` fit in about ``seconds`` (at least 30), from three
-    timed rounds of one call each after two untimed ones (first calls pay for connections and
-    page faults); the slowest rank's time decides, so every rank gets the same number (call on
-    every rank of ``world``, an ``MPI.Comm``)."""
+    """How many calls of each of ``kinds`` fit in about ``seconds`` (at least 30).
+
+    After two untimed rounds of one call each (first calls pay for connections and page
+    faults), three timed rounds give a first estimate, and rounds filling about a tenth of
+    ``seconds`` (3 to 1000) the one used. The slowest rank's time decides each step, so every
+    rank makes the same calls (call on every rank of ``world``, an ``MPI.Comm``)."""
     from mpi4py import MPI
 
-    def rounds(count: int) -> None:
+    def round_s(count: int) -> float:
+        t0 = time.perf_counter()
         for _ in range(count):
             for call in kinds.values():
                 call()
+        return float(world.allreduce((time.perf_counter() - t0) / count, op=MPI.MAX))
 
-    rounds(2)
-    t0 = time.perf_counter()
-    rounds(3)
-    round_s = world.allreduce((time.perf_counter() - t0) / 3, op=MPI.MAX)
-    return max(30, int(seconds / round_s))
+    round_s(2)
+    first = round_s(3)
+    return max(30, int(seconds / round_s(min(1000, max(3, int(seconds / 10 / first))))))
 
 
 def interleaved_times(world: Any, kinds: dict[str, Callable[[], object]], calls: int, *,
@@ -189,8 +190,8 @@ def main() -> None:
     p.add_argument("--bytes", type=int, nargs="+", default=list(SIZES),
                    help="message sizes in bytes (float32 data; default 64 KiB, 1, 4, 16 MiB)")
     p.add_argument("--seconds", type=float, default=3.0,
-                   help="about how long each (op, size) is timed; sets the number of calls "
-                   "(default 3, at least 30 calls of each kind)")
+                   help="about how long each (op, size) is timed, at most 3600; sets the number "
+                   "of calls (default 3, at least 30 calls of each kind)")
     p.add_argument("--block", type=int, default=1,
                    help="calls of one kind per turn (default 1: call by call; with N, MPI's state "
                    "stays with one thread for N calls, as it does in use; each kind then makes "
@@ -200,12 +201,14 @@ def main() -> None:
     args = p.parse_args()
     if any(b < 4 or b % 4 for b in args.bytes):
         p.error("every --bytes must be a positive multiple of 4 (float32 data)")
-    if not (math.isfinite(args.seconds) and args.seconds > 0):
-        p.error("--seconds must be a finite number > 0")
+    if not 0 < args.seconds <= 3600:  # also refuses nan
+        p.error("--seconds must be > 0 and at most 3600")
     if args.block < 1:
         p.error("--block must be >= 1")
-    if args.backend == "gloo" and args.op not in (None, ["all_reduce"]):
+    if args.backend == "gloo" and args.op is not None and set(args.op) != {"all_reduce"}:
         p.error("on gloo only all_reduce is measured: leave out --op")
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: no folder {args.json.parent} to write it in")
     ops = (("all_reduce",) if args.backend == "gloo" else OPS[:4] if args.op is None
            else OPS if "all" in args.op else tuple(dict.fromkeys(args.op)))
     from mpi4py import MPI

@@ -557,8 +557,10 @@ def test_call_overhead_refuses_one_process() -> None:
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["--bytes", "6"], "multiple of 4"),  # would send 4 B and call it 6
-    (["--seconds", "0"], "--seconds must be a finite number > 0"),
-    (["--seconds", "inf"], "--seconds must be a finite number > 0"),  # no number of calls
+    (["--seconds", "0"], "--seconds must be > 0 and at most 3600"),
+    (["--seconds", "inf"], "--seconds must be > 0 and at most 3600"),  # no number of calls
+    (["--seconds", "1e300"], "--seconds must be > 0 and at most 3600"),  # would never end
+    (["--json", "/no/such/dir/co.json"], "no folder /no/such/dir"),  # not after the run
     (["--block", "0"], "--block must be >= 1"),
     (["--backend", "gloo", "--op", "broadcast"], "only all_reduce"),  # not timed silently
 ])
