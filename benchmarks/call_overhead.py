@@ -17,8 +17,8 @@ calls of the max over ranks, per collective and message size:
 
 Sizes are the larger buffer of one rank (the input of reduce_scatter and scatter's root, the output
 of all_gather and gather's root, the buffer of the others), float32, rounded down to a whole
-number of elements per rank. The number of calls is set from three timed rounds so that each
-(op, size) takes about ``--seconds``.
+number of elements per rank. The number of calls is set from timed rounds before the measurement
+so that each (op, size) takes about ``--seconds`` (:func:`calls_within`).
 
 Run: ``mpiexec -n 2 python benchmarks/call_overhead.py --backend mpi`` (``--json FILE`` keeps the
 numbers; ``python benchmarks/report.py FILE`` prints them). Targets (issue 33, 2 ranks, mpi):
@@ -136,7 +136,7 @@ def mpi_kinds(comm: Any, raw: Any, op: str, nbytes: int,
     from mpi4py import MPI
 
     n, root = comm.world_size, comm.rank == 0
-    count = nbytes // 4 // n * n  # whole elements per rank (see measured_bytes)
+    count = measured_bytes(nbytes, n) // 4
     chunk = count // n
     if op in ("all_reduce", "broadcast", "reduce", "all_to_all"):
         big = torch.zeros(count)

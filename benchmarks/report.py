@@ -200,10 +200,9 @@ def call_overhead_table(doc: dict[str, Any]) -> list[str]:
                 target = "<= +30 us " + ("met" if r["diff_us"] <= 30 else "missed")
             line += f" {target} |"
         if floor:
-            beyond = (None if r.get("handoff_us") is None
+            beyond = ("" if r.get("handoff_us") is None
                       else f"{r['comm_us'] - r['handoff_us']:+.1f}")
-            line += (f" {_f(r.get('handoff_us'), 1)} | {_f(r.get('floor'), 3)} "
-                     f"| {beyond or ''} |")
+            line += f" {_f(r.get('handoff_us'), 1)} | {_f(r.get('floor'), 3)} | {beyond} |"
         out.append(line)
     return [*out, ""]
 
